@@ -1,0 +1,32 @@
+# The two README commands: `make train` and `make test`. Both create or refresh .venv.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.gradstep-installed
+
+.PHONY: venv train test lint bench clean
+
+# The pinned CPU torch goes in first: an unpinned `torch` would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+train: venv
+	$(PY) -m gradstep train --out runs/demo
+
+test: venv
+	$(PY) -m pytest -q
+
+lint: venv
+	$(PY) -m ruff check src tests bench examples
+	$(PY) -m ruff format --check src tests bench examples
+
+bench: venv
+	$(PY) bench/step_overhead.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,26 @@
+"""gradstep: the exact accumulate-and-clip optimizer step.
+
+Many micro-batches make one optimizer step equal to the step of one large batch, clipped
+on the global, unscaled norm, in any precision, with every event reported.
+"""
+
+from .clip import ClipContext, ClipNorm, ClipPolicy, ClipResult, ClipValue, parse_clip
+from .loss import LossSum, token_loss
+from .stepper import Stepper, StepStats, windows
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ClipContext",
+    "ClipNorm",
+    "ClipPolicy",
+    "ClipResult",
+    "ClipValue",
+    "LossSum",
+    "StepStats",
+    "Stepper",
+    "__version__",
+    "parse_clip",
+    "token_loss",
+    "windows",
+]

@@ -1,0 +1,73 @@
+"""Losses as (sum, count) pairs, so that one place can normalise over a whole window.
+
+A mean loss per micro-batch throws away how many items produced it; averaging those
+means over micro-batches of different sizes (or ranks with different token counts)
+weights items unequally. Returning the *sum* and the *count* lets the Stepper divide
+once, by the true global item count.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+
+class LossSum(NamedTuple):
+    """Sum of per-item losses and the number of items that produced it.
+
+    ``total`` is a 0-dim tensor that carries grad; ``count`` is an int (or 0-dim integer
+    tensor) >= 0: tokens whose label is not ignored, or samples.
+    """
+
+    total: torch.Tensor
+    count: int | torch.Tensor
+
+
+def token_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> LossSum:
+    """Causal-LM cross-entropy as a :class:`LossSum`.
+
+    ``labels`` must already be aligned with ``logits`` (``labels[..., t]`` is the target of
+    position ``t``; shift before calling). Positions labelled ``ignore_index`` contribute
+    neither to the sum nor to the count. The sum is taken in at least float32, even under autocast.
+    """
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"token_loss: logits shape {tuple(logits.shape)} does not match labels shape "
+            f"{tuple(labels.shape)} (expected logits = labels.shape + (vocab,))"
+        )
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()  # softmax + sum over many tokens in half precision drifts
+    total = F.cross_entropy(
+        logits.reshape(-1, logits.size(-1)),
+        labels.reshape(-1),
+        ignore_index=ignore_index,
+        reduction="sum",
+    )
+    count = (labels != ignore_index).sum()
+    return LossSum(total, count)
+
+
+def check_loss_sum(out: object) -> LossSum:
+    """Validate what a user's ``loss_fn`` returned; raise a clear error otherwise."""
+    if not isinstance(out, LossSum):
+        kind = type(out).__name__
+        hint = (
+            " A plain tensor is ambiguous (mean or sum?): return "
+            "gradstep.LossSum(total=loss_sum, count=n_items)."
+            if isinstance(out, torch.Tensor)
+            else ""
+        )
+        raise TypeError(f"loss_fn must return gradstep.LossSum(total, count), got {kind}.{hint}")
+    total, count = out
+    if not isinstance(total, torch.Tensor) or total.dim() != 0:
+        raise TypeError("LossSum.total must be a 0-dim tensor (the SUM of per-item losses)")
+    if isinstance(count, torch.Tensor):
+        if count.dim() != 0 or count.is_floating_point():
+            raise TypeError("LossSum.count must be an int or a 0-dim integer tensor")
+    elif not isinstance(count, int) or isinstance(count, bool):
+        raise TypeError(f"LossSum.count must be an int >= 0, got {type(count).__name__}")
+    elif count < 0:
+        raise ValueError(f"LossSum.count must be >= 0, got {count}")
+    return out

@@ -1,0 +1,168 @@
+"""Mixed precision for the step: autocast, fp16 loss scaling, fp32 gradient accumulation.
+
+Three separate concerns, each small:
+- ``bf16``/``fp16`` run the forward pass under ``torch.autocast``;
+- ``fp16`` scales the loss with ``torch.amp.GradScaler``, unscales exactly once per
+  optimizer step (before the norm and the clip), and skips + backs off on overflow;
+- parameters stored in a low-precision dtype accumulate their gradients in
+  ``accum_dtype`` buffers (float32 by default) and are rounded once, at the step: summing
+  many micro-batch gradients in bf16 (8-bit significand) loses precision.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+ACCUM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+class GradAccumulator:
+    """Accumulates the gradients of low-precision parameters in ``dtype`` buffers.
+
+    A post-accumulate-grad hook moves each micro-batch's gradient into the buffer and
+    frees ``param.grad`` at once, so at most one low-precision gradient per parameter is
+    alive. The buffers are kept between steps (no re-allocation).
+    """
+
+    def __init__(self, params: Sequence[nn.Parameter], dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.params = [p for p in params if p.dtype != dtype]
+        self._buffers: dict[int, torch.Tensor] = {}
+        self._written: set[int] = set()
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
+
+    def _hook(self, p: torch.Tensor) -> None:
+        key = id(p)
+        buf = self._buffers.get(key)
+        if buf is None:
+            buf = self._buffers[key] = torch.empty_like(p, dtype=self.dtype)
+        if key in self._written:
+            buf.add_(p.grad)
+        else:
+            buf.copy_(p.grad)
+            self._written.add(key)
+        p.grad = None
+
+    def start(self) -> None:
+        self._written.clear()
+
+    def grads(self) -> list[torch.Tensor]:
+        return [self._buffers[id(p)] for p in self.params if id(p) in self._written]
+
+    def round_into_params(self) -> None:
+        """The single rounding: buffer -> ``param.grad`` in the parameter's dtype."""
+        for p in self.params:
+            if id(p) in self._written:
+                p.grad = self._buffers[id(p)].to(p.dtype)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+class Precision:
+    """Owns autocast, the fp16 GradScaler and the accumulation buffers for one Stepper."""
+
+    def __init__(
+        self,
+        precision: str,
+        params: Sequence[nn.Parameter],
+        accum_dtype: torch.dtype | None,
+        distributed: bool,
+    ) -> None:
+        if precision not in PRECISIONS:
+            raise ValueError(
+                f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}"
+            )
+        if accum_dtype is not None and accum_dtype not in ACCUM_DTYPES:
+            raise ValueError(
+                f"accum_dtype must be None or one of {[str(d) for d in ACCUM_DTYPES]}, "
+                f"got {accum_dtype!r}"
+            )
+        self.precision = precision
+        self.dtype = PRECISIONS[precision]
+        self.device_type = params[0].device.type if params else "cpu"
+        low = [p for p in params if p.dtype in (torch.float16, torch.bfloat16)]
+        if precision == "fp16" and any(p.dtype == torch.float16 for p in params):
+            raise ValueError(
+                "precision='fp16' needs float32 parameters: GradScaler cannot unscale fp16 "
+                "gradients. Keep the parameters in float32 (autocast computes in fp16) or "
+                "use precision='bf16'."
+            )
+        if accum_dtype is None:
+            accum_dtype = torch.float32 if low else None
+        self.accumulator: GradAccumulator | None = None
+        if accum_dtype is not None and any(p.dtype != accum_dtype for p in params):
+            if distributed:
+                raise ValueError(
+                    "accum_dtype buffers are not supported on a DDP/FSDP model: keep the "
+                    "sharded parameters in float32 and compute in bf16 through "
+                    "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32)"
+                )
+            self.accumulator = GradAccumulator(params, accum_dtype)
+        self.scaler = torch.amp.GradScaler(self.device_type) if precision == "fp16" else None
+        self._unscaled = False
+
+    def autocast(self) -> contextlib.AbstractContextManager[None]:
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.dtype)
+
+    def start_window(self) -> None:
+        self._unscaled = False
+        if self.accumulator is not None:
+            self.accumulator.start()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide by the loss scale, once per optimizer step."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+            self._unscaled = True
+
+    def grads(self, params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
+        direct = [p.grad for p in params if p.grad is not None]
+        if self.accumulator is None:
+            return direct
+        return direct + self.accumulator.grads()
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.accumulator is not None:
+            self.accumulator.round_into_params()
+        if self.scaler is not None:
+            self.scaler.step(optimizer)
+            self.scaler.update()
+        else:
+            optimizer.step()
+        self._unscaled = False
+
+    def skip(self, optimizer: torch.optim.Optimizer, overflow: bool) -> None:
+        """Close an fp16 step that will not be taken; back the scale off on overflow."""
+        if self.scaler is not None and self._unscaled:
+            if overflow:
+                # The skip decision is global (the norm is reduced over every rank and
+                # shard) while GradScaler's found_inf is local to this rank's shard:
+                # make the scaler agree, so every rank backs off the same way.
+                state = self.scaler._per_optimizer_states[id(optimizer)]
+                for found_inf in state["found_inf_per_device"].values():
+                    found_inf.fill_(1.0)
+            self.scaler.update()
+        self._unscaled = False
+
+    @property
+    def loss_scale(self) -> float | None:
+        return float(self.scaler.get_scale()) if self.scaler is not None else None
+
+    def state_dict(self) -> dict:
+        return {"scaler": self.scaler.state_dict() if self.scaler is not None else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])

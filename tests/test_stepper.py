@@ -1,0 +1,187 @@
+"""Parity of the accumulated step with one big batch, and the step's bookkeeping."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from helpers import (
+    TinyLM,
+    assert_bitwise_equal,
+    collate,
+    loss_fn,
+    make_window,
+    reference_grads,
+    rel_err,
+    snapshot,
+)
+from hypothesis import given
+from hypothesis import strategies as st
+
+import gradstep
+
+# Per micro-batch: 1-3 sequences of 1-12 tokens; some micro-batches get very few tokens,
+# so a mean of per-micro-batch means would weight tokens unequally.
+lengths_strategy = st.lists(st.integers(1, 12), min_size=1, max_size=3)
+
+
+def window_lengths(k: int):
+    return st.lists(lengths_strategy, min_size=k, max_size=k)
+
+
+def stepper_grads(model, mbs, **kw):
+    """Gradient the optimizer would see: SGD with lr=0 leaves params, keeps .grad."""
+    m = copy.deepcopy(model)
+    opt = torch.optim.SGD(m.parameters(), lr=0.0)
+    stepper = gradstep.Stepper(m, opt, clip=None, **kw)
+    stats = stepper.step(mbs, loss_fn)
+    return [p.grad.detach().clone() for p in m.parameters()], stats
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 7])
+@given(data=st.data())
+def test_accumulated_gradient_equals_full_batch_fp32(k, data):
+    lengths = data.draw(window_lengths(k))
+    torch.manual_seed(1)
+    model = TinyLM()
+    mbs, seqs = make_window(lengths, seed=k)
+    ref, ref_loss = reference_grads(model, seqs)
+    got, stats = stepper_grads(model, mbs)
+    assert stats.items == sum(int((s[1] != -100).sum()) for s in seqs)
+    if stats.items == 0:
+        assert stats.skipped
+        return
+    assert rel_err(got, ref) <= 1e-6
+    assert stats.loss == pytest.approx(ref_loss, rel=1e-6)
+    assert stats.micro_batches == k
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 7])
+@given(data=st.data())
+def test_accumulated_gradient_equals_full_batch_fp64(k, data):
+    lengths = data.draw(window_lengths(k))
+    torch.manual_seed(2)
+    model = TinyLM().double()
+    mbs, seqs = make_window(lengths, seed=10 + k)
+    if sum(int((s[1] != -100).sum()) for s in seqs) == 0:
+        return
+    ref, _ = reference_grads(model, seqs)
+    got, _ = stepper_grads(model, mbs)
+    assert rel_err(got, ref) <= 1e-12
+
+
+@pytest.mark.parametrize("k", [2, 3, 7])
+def test_parameters_after_three_adamw_steps_match_full_batch(k):
+    torch.manual_seed(3)
+    model = TinyLM()
+    ref_model = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    stepper = gradstep.Stepper(model, opt, clip=gradstep.ClipNorm(0.5))
+    for step in range(3):
+        lengths = [[1 + (3 * i + step) % 9, 2 + (5 * i) % 7] for i in range(k)]
+        mbs, seqs = make_window(lengths, seed=100 + step)
+        stepper.step(mbs, loss_fn)
+        ref_opt.zero_grad()
+        batch = collate(seqs)
+        logits = ref_model(batch["input_ids"])
+        loss = torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100
+        )
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.5)
+        ref_opt.step()
+    assert rel_err(list(model.parameters()), list(ref_model.parameters())) <= 1e-6
+
+
+def test_mean_of_means_would_be_wrong_here():
+    """Guard that the data exercise token weighting: k * mean-of-means differs a lot."""
+    model = TinyLM()
+    mbs, seqs = make_window([[1], [12, 12, 12]], seed=5)
+    ref, _ = reference_grads(model, seqs)
+    m = copy.deepcopy(model)
+    for mb in mbs:
+        out = loss_fn(m, mb)
+        (out.total / out.count / len(mbs)).backward()
+    assert rel_err([p.grad for p in m.parameters()], ref) > 1e-2
+
+
+def test_short_last_window_equals_one_batch_of_exactly_those_items():
+    model = TinyLM()
+    mbs, _ = make_window([[3, 5], [7], [2, 2], [9], [4, 6], [8], [5]], seed=7)
+    windows = list(gradstep.windows(iter(mbs), 3))
+    assert [len(w) for w in windows] == [3, 3, 1]
+    last = windows[-1]
+    seqs = [
+        (last[0]["input_ids"][i], last[0]["labels"][i]) for i in range(len(last[0]["labels"]))
+    ]
+    ref, _ = reference_grads(model, seqs)
+    got, stats = stepper_grads(model, last)
+    assert stats.micro_batches == 1
+    assert rel_err(got, ref) <= 1e-6
+
+
+def test_windows_groups_any_iterable_lazily():
+    stream = iter(range(10))
+    w = gradstep.windows(stream, 4)
+    assert next(w) == [0, 1, 2, 3]
+    assert next(stream) == 4  # nothing read ahead beyond the window
+    assert list(gradstep.windows(range(6), 3)) == [[0, 1, 2], [3, 4, 5]]
+    assert list(gradstep.windows([], 3)) == []
+
+
+def test_window_length_may_change_between_calls():
+    model = TinyLM()
+    stepper = gradstep.Stepper(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for k in (1, 4, 2):
+        mbs, _ = make_window([[4]] * k, seed=k)
+        assert stepper.step(mbs, loss_fn).micro_batches == k
+    assert stepper.step_count == 3
+
+
+@pytest.mark.parametrize("lengths", [[[4], [6]], [[1], [2], [3], [4], [5]], [[7]]])
+def test_scheduler_steps_once_per_optimizer_step(lengths):
+    model = TinyLM()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s)
+    stepper = gradstep.Stepper(model, opt, scheduler=sched)
+    seen = []
+    for i in range(3):
+        mbs, _ = make_window(lengths, seed=i)
+        stats = stepper.step(mbs, loss_fn)
+        seen.append(stats.lr)
+    assert sched.last_epoch == 3
+    assert seen == [1.0, 0.5, 0.25]  # the lr used by each step, not the next one
+
+
+def test_zero_item_micro_batches_are_fine_and_empty_window_skips():
+    model = TinyLM()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    stepper = gradstep.Stepper(model, opt)
+    mbs, seqs = make_window([[5], [3]], seed=3)
+    mbs[0]["labels"][:] = -100  # a micro-batch with zero items
+    ref, _ = reference_grads(model, [(x, y) for x, y in seqs[1:]])
+    got, stats = stepper_grads(model, mbs)
+    assert stats.items == int((mbs[1]["labels"] != -100).sum())
+    assert rel_err(got, ref) <= 1e-6
+    for mb in mbs:
+        mb["labels"][:] = -100
+    before = snapshot(model, opt)
+    stats = stepper.step(mbs, loss_fn)
+    assert stats.skipped and stats.items == 0 and "0 items" in stats.skip_reason
+    assert stepper.skipped_steps == 1 and stepper.step_count == 0
+    assert_bitwise_equal(snapshot(model, opt), before)
+
+
+def test_step_stats_fields():
+    model = TinyLM()
+    stepper = gradstep.Stepper(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    mbs, _ = make_window([[5, 2], [3]], seed=1)
+    stats = stepper.step(mbs, loss_fn)
+    for name in ("loss", "items", "micro_batches", "grad_norm", "clip_coef", "clipped",
+                 "skipped", "lr", "step"):  # fmt: skip
+        assert hasattr(stats, name)
+    assert stats.step == 1 and not stats.skipped and stats.clip_coef <= 1.0
+    assert stats.lr == 0.1 and math.isfinite(stats.grad_norm)
