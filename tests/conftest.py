@@ -15,6 +15,9 @@ settings.register_profile(
 )
 settings.load_profile("gradstep")
 
+# Tiny models: one intra-op thread is as fast, and 2-rank tests do not oversubscribe 2 cores.
+torch.set_num_threads(1)
+
 
 @pytest.fixture(autouse=True)
 def _deterministic():

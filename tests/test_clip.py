@@ -7,9 +7,9 @@ import math
 
 import pytest
 import torch
-from helpers import TinyLM, loss_fn, make_window, reference_grads, rel_err
 
 import gradstep
+from helpers import TinyLM, loss_fn, make_window, reference_grads, rel_err
 
 WINDOW = [[5, 9], [2], [11, 3, 4]]
 

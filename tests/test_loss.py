@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import TinyLM, assert_bitwise_equal, loss_fn, make_window, snapshot
 
 import gradstep
+from helpers import TinyLM, assert_bitwise_equal, loss_fn, make_window, snapshot
 
 
 def test_token_loss_is_sum_and_count_of_non_ignored_tokens():

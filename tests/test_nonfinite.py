@@ -6,9 +6,9 @@ import math
 
 import pytest
 import torch
-from helpers import TinyLM, assert_bitwise_equal, loss_fn, make_window, snapshot
 
 import gradstep
+from helpers import TinyLM, assert_bitwise_equal, loss_fn, make_window, snapshot
 
 
 def poisoned_loss_fn(value: float, which: int):

@@ -6,6 +6,9 @@ import copy
 
 import pytest
 import torch
+from torch import nn
+
+import gradstep
 from helpers import (
     TinyLM,
     assert_bitwise_equal,
@@ -15,9 +18,6 @@ from helpers import (
     rel_err,
     snapshot,
 )
-from torch import nn
-
-import gradstep
 
 WINDOW = [[5, 9], [2], [11, 3, 4], [6]]
 

@@ -7,6 +7,10 @@ import math
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import gradstep
 from helpers import (
     TinyLM,
     assert_bitwise_equal,
@@ -17,10 +21,6 @@ from helpers import (
     rel_err,
     snapshot,
 )
-from hypothesis import given
-from hypothesis import strategies as st
-
-import gradstep
 
 # Per micro-batch: 1-3 sequences of 1-12 tokens; some micro-batches get very few tokens,
 # so a mean of per-micro-batch means would weight tokens unequally.
@@ -114,9 +114,7 @@ def test_short_last_window_equals_one_batch_of_exactly_those_items():
     windows = list(gradstep.windows(iter(mbs), 3))
     assert [len(w) for w in windows] == [3, 3, 1]
     last = windows[-1]
-    seqs = [
-        (last[0]["input_ids"][i], last[0]["labels"][i]) for i in range(len(last[0]["labels"]))
-    ]
+    seqs = [(last[0]["input_ids"][i], last[0]["labels"][i]) for i in range(len(last[0]["labels"]))]
     ref, _ = reference_grads(model, seqs)
     got, stats = stepper_grads(model, last)
     assert stats.micro_batches == 1

@@ -4,6 +4,7 @@ Many micro-batches make one optimizer step equal to the step of one large batch,
 on the global, unscaled norm, in any precision, with every event reported.
 """
 
+from .adaptive import AGC, AutoClip, SpikeGuard, ZClip, find_output_layer
 from .clip import ClipContext, ClipNorm, ClipPolicy, ClipResult, ClipValue, parse_clip
 from .loss import LossSum, token_loss
 from .stepper import Stepper, StepStats, windows
@@ -11,15 +12,20 @@ from .stepper import Stepper, StepStats, windows
 __version__ = "0.1.0"
 
 __all__ = [
+    "AGC",
+    "AutoClip",
     "ClipContext",
     "ClipNorm",
     "ClipPolicy",
     "ClipResult",
     "ClipValue",
     "LossSum",
+    "SpikeGuard",
     "StepStats",
     "Stepper",
+    "ZClip",
     "__version__",
+    "find_output_layer",
     "parse_clip",
     "token_loss",
     "windows",

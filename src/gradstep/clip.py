@@ -78,9 +78,9 @@ class ClipContext:
     def named_grads(self) -> list[tuple[str, nn.Parameter, torch.Tensor]]:
         """(name, parameter, normalised gradient) triples, for unit-wise policies (AGC).
 
-        Without ``grad_owners`` each gradient must be its parameter's ``.grad`` (true for
-        fp32, autocast and DDP/FSDP2 runs). Gradients held in fp32 accumulation buffers for
-        low-precision parameters cannot be attributed that way: raise instead of guessing.
+        The Stepper passes ``grad_owners`` (fp32 accumulation buffers of low-precision
+        parameters included). Without it each gradient must be its parameter's ``.grad``;
+        a gradient held elsewhere cannot be attributed: raise instead of guessing.
         """
         grads = self.grads()
         if self._owners is not None:

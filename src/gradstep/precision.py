@@ -51,8 +51,9 @@ class GradAccumulator:
     def start(self) -> None:
         self._written.clear()
 
-    def grads(self) -> list[torch.Tensor]:
-        return [self._buffers[id(p)] for p in self.params if id(p) in self._written]
+    def grad(self, p: torch.Tensor) -> torch.Tensor | None:
+        """The accumulated gradient of ``p`` this window, or None."""
+        return self._buffers[id(p)] if id(p) in self._written else None
 
     def round_into_params(self) -> None:
         """The single rounding: buffer -> ``param.grad`` in the parameter's dtype."""
@@ -76,9 +77,7 @@ class Precision:
         distributed: bool,
     ) -> None:
         if precision not in PRECISIONS:
-            raise ValueError(
-                f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}"
-            )
+            raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
         if accum_dtype is not None and accum_dtype not in ACCUM_DTYPES:
             raise ValueError(
                 f"accum_dtype must be None or one of {[str(d) for d in ACCUM_DTYPES]}, "
@@ -127,11 +126,14 @@ class Precision:
             self.scaler.unscale_(optimizer)
             self._unscaled = True
 
-    def grads(self, params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
-        direct = [p.grad for p in params if p.grad is not None]
-        if self.accumulator is None:
-            return direct
-        return direct + self.accumulator.grads()
+    def named_grads(
+        self, named: Sequence[tuple[str, nn.Parameter]]
+    ) -> list[tuple[str, nn.Parameter, torch.Tensor]]:
+        """Every gradient of this window with its parameter: ``.grad`` or the fp32 buffer."""
+        out = [(n, p, p.grad) for n, p in named if p.grad is not None]
+        if self.accumulator is not None:
+            out += [(n, p, g) for n, p in named if (g := self.accumulator.grad(p)) is not None]
+        return out
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         if self.accumulator is not None:

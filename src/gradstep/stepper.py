@@ -24,7 +24,7 @@ from torch import nn
 from .clip import ClipContext, ClipNorm, as_policies
 from .loss import LossSum, check_loss_sum
 from .precision import Precision
-from .strategy import LocalStrategy, strategy_for
+from .strategy import LocalStrategy, strategy_for, window_length_error
 
 T = TypeVar("T")
 LossFn = Callable[[nn.Module, Any], LossSum]
@@ -166,6 +166,12 @@ class Stepper:
             )
         self.optimizer.zero_grad(set_to_none=True)
         self._precision.start_window()
+        if self._strategy.forward_communicates:
+            # FSDP2's forward all-gathers parameters: a rank with one micro-batch more
+            # would pair those all-gathers with the other ranks' reductions and hang, so
+            # the window lengths are compared before the first forward (one collective).
+            micro_batches = list(micro_batches)
+            self._strategy.check_window(len(micro_batches))
         try:
             window = self._accumulate(micro_batches, loss_fn)
         except BaseException:
@@ -174,7 +180,8 @@ class Stepper:
         if window.items == 0:
             return self._skip(window, "empty window: 0 items (every label ignored)", math.nan)
         self._precision.unscale(self.optimizer)
-        grads = self._precision.grads(self._params)
+        named_grads = self._precision.named_grads(self._named)
+        grads = [g for _, _, g in named_grads]
         # THE normalisation: undo the backend's average over ranks and divide the summed
         # losses' gradient by the true global item count, once.
         scale = self._strategy.grad_divisor / (window.items * self._loss_hint)
@@ -184,6 +191,7 @@ class Stepper:
         ctx = ClipContext(
             grads, scale, norm, self._norm_type, window.loss_sum / window.items,
             self.step_count, self._named, self._strategy.total_norm,
+            grad_owners=[(n, p) for n, p, _ in named_grads],
         )  # fmt: skip
         coef, threshold, acted, skip, detail = self._apply_policies(ctx)
         if skip is not None:
@@ -211,9 +219,7 @@ class Stepper:
         items: Any = 0
         negative: Any = 0
         n = 0
-        totals = None
-        for is_last, mb in _mark_last(micro_batches):
-            n += 1
+        for n, (is_last, mb) in enumerate(_mark_last(micro_batches), start=1):  # noqa: B007
             with self._strategy.sync(is_last or self.sync_each_micro_batch):
                 with self._precision.autocast():
                     total, count = check_loss_sum(loss_fn(self.model, mb))
@@ -222,19 +228,14 @@ class Stepper:
                 items = items + count
                 if isinstance(count, torch.Tensor):
                     negative = negative + (count < 0)
-                if is_last:
-                    # The one collective of the window, before the last backward (which
-                    # reduces): global loss and item count, plus a check that every rank
-                    # ran as many micro-batches (a mismatch would otherwise hang).
-                    totals = self._window_totals(loss_sum, items, negative, n)
                 if self._loss_hint is None:
                     self._loss_hint = self._first_loss_hint(count)
                 if self._loss_hint != 1.0:
                     total = total * self._loss_hint
                 self._precision.backward(total)
-        if totals is None:
+        if n == 0:
             raise ValueError("micro_batches is empty: a window needs at least one micro-batch")
-        return totals
+        return self._window_totals(loss_sum, items, negative, n)
 
     def _first_loss_hint(self, count: Any) -> float:
         """fp16's first window: 1 / mean item count of the first micro-batch over ranks."""
@@ -243,6 +244,12 @@ class Stepper:
         return 1.0 / max(mean, 1.0)
 
     def _window_totals(self, loss_sum: Any, items: Any, negative: Any, n: int) -> _Window:
+        """The one collective of the window: global loss sum and item count.
+
+        It also checks that every rank ran as many micro-batches. Under DDP a mismatch
+        still pairs each rank's single gradient all-reduce, so it is caught here, after
+        the backward; strategies whose forward communicates check before the first one.
+        """
         dev = loss_sum.device
         local = torch.stack(
             [
@@ -251,13 +258,9 @@ class Stepper:
             ]
         )
         loss, count, neg, n_sum, n2_sum = self._strategy.all_reduce_sum(local).tolist()
-        world = self.world_size
-        if n2_sum * world != n_sum * n_sum:
-            raise RuntimeError(
-                f"ranks ran windows of different lengths (this rank: {n} micro-batches, "
-                f"mean over {world} ranks: {n_sum / world:g}); every rank must pass the "
-                "same number of micro-batches to Stepper.step"
-            )
+        error = window_length_error(n, n_sum, n2_sum, self.world_size)
+        if error is not None:
+            raise error
         if neg > 0:
             raise ValueError("LossSum.count must be >= 0; loss_fn returned a negative count")
         return _Window(loss_sum=loss, items=int(count), micro_batches=n)

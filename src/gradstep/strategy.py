@@ -1,10 +1,15 @@
 """How gradients are synchronised and reduced, one small class per parallel strategy.
 
-The Stepper asks a strategy four things and nothing else: a context that turns gradient
+The Stepper asks a strategy a few things and nothing else: a context that turns gradient
 sync on or off for one micro-batch, the factor by which the backend already divided the
-gradients (DDP and FSDP2 average over ranks), a sum over ranks of a few scalars, and the
-global norm of the (possibly sharded) gradients. Everything that is DDP- or FSDP-specific
-lives here, not in the step.
+gradients (DDP and FSDP2 average over ranks), a sum over ranks of a few scalars, the
+global norm of the (possibly sharded) gradients, and whether the forward pass itself runs
+collectives (then every rank's window length is compared before the first forward).
+Everything that is DDP- or FSDP-specific lives here, not in the step.
+
+Only pure data parallelism over the whole default process group is supported: the Stepper
+sums item counts over every rank, so a rank that holds no distinct data (tensor or pipeline
+parallel peers) would be counted twice. The strategies check the group size.
 """
 
 from __future__ import annotations
@@ -19,6 +24,10 @@ from torch import nn
 
 class Strategy(Protocol):
     world_size: int
+    forward_communicates: bool
+    """True when the forward pass runs collectives (FSDP2 all-gathers parameters): ranks
+    with different window lengths would then pair unrelated collectives and hang, so the
+    lengths must be compared with :meth:`check_window` before the first forward."""
 
     def sync(self, enabled: bool) -> contextlib.AbstractContextManager[None]:
         """Context for one micro-batch's forward AND backward; sync only when ``enabled``."""
@@ -36,6 +45,24 @@ class Strategy(Protocol):
     def any_rank(self, flag: bool) -> bool:
         """True on every rank when ``flag`` is true on at least one."""
 
+    def check_window(self, n: int) -> None:
+        """Raise on every rank unless every rank passes ``n`` micro-batches (one collective)."""
+
+
+def window_length_error(n: int, n_sum: float, n2_sum: float, world: int) -> RuntimeError | None:
+    """The error for ranks whose windows differ, from sums over ranks of n and n^2.
+
+    All n equal <=> world * sum(n^2) == sum(n)^2 (Cauchy-Schwarz), so one sum-reduction of
+    two numbers tells every rank the same thing.
+    """
+    if n2_sum * world == n_sum * n_sum:
+        return None
+    return RuntimeError(
+        f"ranks ran windows of different lengths (this rank: {n} micro-batches, mean over "
+        f"{world} ranks: {n_sum / world:g}); every rank must pass the same number of "
+        "micro-batches to Stepper.step"
+    )
+
 
 def _local_norm(grads: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
     if not grads:
@@ -48,6 +75,7 @@ class LocalStrategy:
 
     world_size = 1
     grad_divisor = 1.0
+    forward_communicates = False
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -63,6 +91,9 @@ class LocalStrategy:
 
     def any_rank(self, flag: bool) -> bool:
         return flag
+
+    def check_window(self, n: int) -> None:
+        return None
 
 
 class _ProcessGroupStrategy:
@@ -100,6 +131,21 @@ class _ProcessGroupStrategy:
     def any_rank(self, flag: bool) -> bool:
         return bool(self.all_reduce_sum(torch.tensor([float(flag)], dtype=torch.float64)) > 0)
 
+    def check_window(self, n: int) -> None:
+        local = torch.tensor([float(n), float(n * n)], dtype=torch.float64)
+        n_sum, n2_sum = self.all_reduce_sum(local).tolist()
+        error = window_length_error(n, n_sum, n2_sum, self.world_size)
+        if error is not None:
+            raise error
+
+    def _check_group_size(self, size: int, what: str) -> None:
+        if size != self.world_size:
+            raise NotImplementedError(
+                f"{what} spans {size} of {self.world_size} ranks; gradstep supports data "
+                "parallelism over the whole default process group only (item counts are "
+                "summed over every rank)"
+            )
+
 
 class DDPStrategy(_ProcessGroupStrategy):
     """DistributedDataParallel: one all-reduce of the gradients on the last micro-batch.
@@ -107,6 +153,15 @@ class DDPStrategy(_ProcessGroupStrategy):
     ``no_sync`` must be entered before the forward pass, because DDP decides at forward
     time whether the coming backward reduces; the Stepper wraps forward and backward.
     """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self._check_group_size(model.process_group.size(), "the DDP process group")
+        # DDP's forward broadcasts buffers (BatchNorm statistics) from rank 0 when there are
+        # any: then the forward communicates, like FSDP2's.
+        self.forward_communicates = bool(
+            model.broadcast_buffers and any(True for _ in model.module.buffers())
+        )
 
     @contextlib.contextmanager
     def sync(self, enabled: bool) -> Iterator[None]:
@@ -124,6 +179,17 @@ class DDPStrategy(_ProcessGroupStrategy):
 
 class FSDP2Strategy(_ProcessGroupStrategy):
     """FSDP2 (``fully_shard``): gradients are DTensor shards, reduce-scattered on sync."""
+
+    # Every forward all-gathers the parameters of each FSDP module.
+    forward_communicates = True
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        from torch.distributed.tensor import DTensor
+
+        for p in model.parameters():
+            if isinstance(p, DTensor):
+                self._check_group_size(p.device_mesh.size(), "the FSDP2 device mesh")
 
     @contextlib.contextmanager
     def sync(self, enabled: bool) -> Iterator[None]:

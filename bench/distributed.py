@@ -1,0 +1,169 @@
+"""Gradient sync on the last micro-batch only vs on every micro-batch: time and bytes.
+
+2 ranks (gloo on CPU, spawned with torch.multiprocessing), the demo model (``GPTConfig()``
+defaults, 1.8M parameters), k = 8 micro-batches of 4 random variable-length sequences
+(-100 label padding, different on each rank) per optimizer step, ClipNorm(1.0) + AdamW,
+for DDP and for FSDP2 (``fully_shard`` per block and at the root). For each strategy one
+model and one Stepper alternate step by step between ``sync_each_micro_batch=False``
+(a: the default, one gradient reduction per step) and ``True`` (b: one per micro-batch),
+order alternating, so load on a shared machine hits both alike. Printed per strategy:
+gradient collectives and bytes per optimizer step (counted by
+``gradstep.distributed.count_gradient_comms``: a DDP comm hook / an FSDP2 reduce-scatter,
+input buffer sizes), and rank 0's median per-step wall time ratio b / a with IQR and a
+bootstrap 95% interval. Never asserts on time.
+
+    .venv/bin/python bench/distributed.py            # ~2-4 min on 2 shared CPU cores
+    .venv/bin/python bench/distributed.py --pairs 3 --seq-len 64   # quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+import gradstep
+import gradstep.distributed as gd
+from _common import interleaved_times, lm_window, machine_info, random_rows, ratio_stats
+from gradstep.model import GPT, GPTConfig
+
+WORLD = 2
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    micro_batches: int = 8
+    micro_batch_size: int = 4
+    seq_len: int = 128
+    pairs: int = 5
+    warmup: int = 1
+    seed: int = 0
+
+
+def _loss(model: torch.nn.Module, mb: dict) -> gradstep.LossSum:
+    return gradstep.token_loss(model(mb["input_ids"]), mb["labels"])
+
+
+def _bench_strategy(strategy: str, cfg: BenchConfig, rank: int) -> dict:
+    """One model, one Stepper; steps alternate between sync-last (a) and sync-each (b)."""
+    torch.manual_seed(cfg.seed)
+    model = gd.prepare_model(GPT(GPTConfig(max_seq_len=cfg.seq_len)), strategy)
+    counter = gd.count_gradient_comms(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    stepper = gradstep.Stepper(model, opt, clip=gradstep.ClipNorm(1.0))
+    comms: dict[bool, tuple[int, int]] = {}
+    rows_per_window = cfg.micro_batches * cfg.micro_batch_size
+
+    def run(sync_each: bool, i: int) -> None:
+        rows = random_rows(rows_per_window, cfg.seq_len, seed=cfg.seed + 1000 * i + rank)
+        stepper.sync_each_micro_batch = sync_each
+        counter.reset()
+        stepper.step(lm_window(rows, cfg.micro_batch_size), _loss)
+        comms[sync_each] = (counter.calls, counter.bytes)
+
+    times = interleaved_times(
+        lambda i: run(False, i), lambda i: run(True, i), cfg.warmup, cfg.pairs
+    )
+    stats = ratio_stats(times.wall_b, times.wall_a)  # a = every micro-batch, b = last only
+    return {
+        "strategy": strategy,
+        "params": sum(p.numel() for p in model.parameters()),
+        "last": {"calls": comms[False][0], "bytes": comms[False][1]},
+        "each": {"calls": comms[True][0], "bytes": comms[True][1]},
+        "each_over_last": asdict(stats),
+    }
+
+
+def _rank_main(rank: int, cfg: BenchConfig, port: int, out: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(WORLD),
+    )
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // WORLD))
+    gd.init(device="cpu")
+    results = [_bench_strategy(s, cfg, rank) for s in ("ddp", "fsdp")]
+    if rank == 0:
+        info = {**machine_info(), "threads_per_rank": torch.get_num_threads()}
+        Path(out).write_text(
+            json.dumps({"config": asdict(cfg), "machine": info, "results": results})
+        )
+    gd.shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def print_table(report: dict) -> None:
+    cfg = report["config"]
+    k = cfg["micro_batches"]
+    print(
+        f"\n2 ranks (gloo, CPU), k = {k} micro-batches of {cfg['micro_batch_size']} x <= "
+        f"{cfg['seq_len']} tokens per rank, {report['results'][0]['params']:,} parameters, "
+        f"{cfg['pairs']} timed step pairs, {report['machine']['threads_per_rank']} thread(s) "
+        f"per rank, load {report['machine']['loadavg_1m']}\n"
+    )
+    print(
+        "| strategy | gradient sync | collectives / step | bytes / step "
+        "| median step (ms) | time vs sync on last |"
+    )
+    print("|---|---|---:|---:|---:|---:|")
+    for res in report["results"]:
+        r = res["each_over_last"]
+        kind = "all-reduce" if res["strategy"] == "ddp" else "reduce-scatter"
+        last, each = res["last"], res["each"]
+        print(
+            f"| {res['strategy']} | last micro-batch (default) | {last['calls']} {kind} "
+            f"| {_mib(last['bytes'])} | {r['median_b_ms']:.0f} | 1.00 |"
+        )
+        print(
+            f"| {res['strategy']} | every micro-batch | {each['calls']} {kind} "
+            f"| {_mib(each['bytes'])} | {r['median_a_ms']:.0f} | {r['median_ratio']:.2f} "
+            f"(IQR {r['ratio_q1']:.2f}-{r['ratio_q3']:.2f}, 95% CI {r['ci95_low']:.2f}-"
+            f"{r['ci95_high']:.2f}) |"
+        )
+
+
+def parse_args(argv: list[str] | None) -> BenchConfig:
+    d = BenchConfig()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--micro-batches", type=int, default=d.micro_batches, help="k per rank")
+    ap.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size)
+    ap.add_argument("--seq-len", type=int, default=d.seq_len)
+    ap.add_argument("--pairs", type=int, default=d.pairs, help="timed step pairs")
+    ap.add_argument("--warmup", type=int, default=d.warmup, help="untimed step pairs first")
+    ap.add_argument("--seed", type=int, default=d.seed)
+    a = ap.parse_args(argv)
+    return BenchConfig(a.micro_batches, a.micro_batch_size, a.seq_len, a.pairs, a.warmup, a.seed)
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "report.json")
+        mp.start_processes(
+            _rank_main, args=(cfg, _free_port(), out), nprocs=WORLD, start_method="spawn"
+        )
+        report = json.loads(Path(out).read_text())
+    print_table(report)
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

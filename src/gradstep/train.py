@@ -1,0 +1,438 @@
+"""The ``gradstep train`` demo: a byte-level GPT trained with the exact accumulate-and-clip step.
+
+The loop is deliberately one linear ``for``: every optimizer-step concern (accumulation,
+normalisation by the true token count, precision, clipping, skipping) lives in
+:class:`gradstep.Stepper`; this module only wires data, model, optimizer and logging
+around it. Outputs in the run folder:
+
+* ``config.json``   the resolved :class:`~gradstep.config.TrainConfig`;
+* ``metrics.jsonl`` one JSON object per optimizer step, written by
+  :class:`~gradstep.metrics.MetricsLogger` (every ``StepStats`` field, plus ``tokens_per_s``,
+  ``step_time_s``, ``peak_memory_mb``, ``elapsed_s`` and ``val_loss`` on evaluation steps);
+* ``tensorboard/``  the same scalars as TensorBoard events, with ``--tensorboard``;
+* ``summary.json``  effective batch, initial/final losses, clip/skip counts, wall time and
+  a generated sample;
+* ``checkpoints/``  with ``--save-every N``: ``step-N`` folders (:mod:`gradstep.checkpoint`);
+  ``--resume`` continues the newest valid one, ``metrics.jsonl`` cut back to its step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from tqdm.auto import tqdm
+
+from . import LossSum, Stepper, StepStats, distributed, token_loss, windows
+from .adaptive import clip_policies
+from .checkpoint import Checkpointer
+from .config import RESUME_AUTO, ConfigError, TrainConfig
+from .data import Batch, Corpus, TrainBatches, load_corpus, validation_batches
+from .metrics import MetricsLogger
+from .metrics import jsonable as _jsonable
+from .model import GPT, GPTConfig, generate
+
+__all__ = ["LMLoss", "WarmupCosine", "evaluate", "train"]
+
+SAMPLE_PROMPT = b"def "
+TRAIN_LOSS_WINDOW = 10  # final train loss = token-weighted mean over the last N steps
+
+
+@dataclass(frozen=True)
+class WarmupCosine:
+    """LR multiplier for ``LambdaLR``: linear warmup, then cosine decay to ``min_lr``.
+
+    A pure function of the step (and a picklable object, not a lambda) so the schedule is
+    reproducible after a resume and survives ``LambdaLR.state_dict()``. Warmup starts at
+    ``1 / warmup`` rather than 0 so the first step is not wasted.
+    """
+
+    warmup: int
+    max_steps: int
+    min_ratio: float
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        progress = min(1.0, (step - self.warmup) / max(1, self.max_steps - self.warmup))
+        return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+@dataclass(frozen=True)
+class LMLoss:
+    """``loss_fn`` for the Stepper: summed next-byte cross-entropy and its token count."""
+
+    device: torch.device
+
+    def __call__(self, model: nn.Module, batch: Batch) -> LossSum:
+        logits = model(batch["input_ids"].to(self.device, non_blocking=True))
+        return token_loss(logits, batch["labels"].to(self.device, non_blocking=True))
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: Sequence[Batch], device: torch.device) -> float:
+    """Token-weighted mean loss (sum of token losses / token count), summed over ranks.
+
+    The same definition as the training loss, so the two curves are comparable; a mean of
+    per-batch means would over-weight short batches.
+    """
+    was_training = model.training
+    model.eval()
+    loss_fn = LMLoss(device)
+    sums = torch.zeros(2, dtype=torch.float64, device=device)
+    for batch in batches:
+        total, count = loss_fn(model, batch)
+        sums += torch.stack([total.double(), torch.as_tensor(count, device=device).double()])
+    model.train(was_training)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(sums)
+    total, count = sums.tolist()
+    return total / count if count else math.nan
+
+
+def resolve_device(spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(spec)
+
+
+def _check_launch(cfg: TrainConfig, env: distributed.DistEnv) -> None:
+    """--strategy and the launcher must agree: N processes without a strategy would train N
+    unrelated models, and a strategy without torchrun has no other rank to sync with."""
+    if cfg.strategy == "none" and env.world_size > 1:
+        raise ConfigError(
+            f"launched as {env.world_size} processes but strategy='none'; "
+            "use --strategy ddp or --strategy fsdp"
+        )
+    if cfg.strategy != "none" and env.backend is None:
+        raise ConfigError(
+            f"strategy={cfg.strategy!r} needs a torchrun launch, e.g. torchrun "
+            f"--nproc_per_node=2 -m gradstep train --strategy {cfg.strategy}"
+        )
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with decay on matrices/embeddings only: decaying norm gains just hurts."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
+
+
+@dataclass
+class _Run:
+    """Everything the loop touches, built once by :func:`_setup`."""
+
+    cfg: TrainConfig
+    out: Path
+    device: torch.device
+    world_size: int
+    is_main: bool
+    """Rank 0: the only process that prints and writes files."""
+    model: GPT
+    stepper: Stepper
+    train_iter: TrainBatches
+    val: list[Batch]
+    corpus: Corpus
+    accum_steps: int
+    progress: _Progress = field(default_factory=lambda: _Progress())
+    start: int = 0
+    """Steps already taken: the step of the checkpoint resumed from."""
+    checkpointer: Checkpointer | None = None
+
+
+@dataclass
+class _Progress:
+    """Loop totals a resume carries on, so the summary reads as one uninterrupted run."""
+
+    initial_val_loss: float = math.nan
+    tokens: int = 0
+    step_time: float = 0.0
+    recent: list[tuple[float, int]] = field(default_factory=list)
+
+    def state_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key, value in state.items():
+            setattr(self, key, [tuple(r) for r in value] if key == "recent" else value)
+
+
+def _setup(cfg: TrainConfig, env: distributed.DistEnv) -> _Run:
+    _check_launch(cfg, env)
+    rank, world, device = env.rank, env.world_size, env.device
+    out = Path(cfg.out)
+    if env.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    torch.manual_seed(cfg.seed)
+    corpus = load_corpus(cfg.data)
+    model_cfg = GPTConfig(
+        n_layer=cfg.n_layer,
+        n_head=cfg.n_head,
+        d_model=cfg.d_model,
+        max_seq_len=cfg.seq_len,
+        dropout=cfg.dropout,
+    )
+    # Same seed on every rank: DDP and FSDP2 both start from identical weights.
+    model = GPT(model_cfg).to(device)
+    model = distributed.prepare_model(model, cfg.strategy, cfg.precision)
+    optimizer = build_optimizer(model, cfg)  # after sharding: FSDP2 steps its shards
+    schedule = WarmupCosine(cfg.warmup, cfg.max_steps, cfg.min_lr / cfg.lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    clip = clip_policies(cfg.clip, cfg.spike_guard, model)  # agc: output layer excluded
+    stepper = Stepper(model, optimizer, scheduler, clip=clip, precision=cfg.precision)
+    train_iter = TrainBatches(
+        corpus.train, cfg.seq_len, cfg.micro_batch_size, cfg.seed, rank=rank, world_size=world
+    )
+    val = validation_batches(
+        corpus.val, cfg.seq_len, cfg.micro_batch_size, cfg.eval_batches, rank, world
+    )
+    # FSDP2 all-gathers in every forward: all ranks must evaluate as many batches.
+    val = val[: distributed.min_over_ranks(len(val))]
+    run = _Run(
+        cfg, out, device, world, env.is_main, model, stepper, train_iter, val, corpus,
+        cfg.accum_steps,
+    )  # fmt: skip
+    _resume(run)
+    if cfg.save_every or cfg.resume is not None:
+        run.checkpointer = Checkpointer(
+            out / "checkpoints", cfg.keep_checkpoints, accum_steps=run.accum_steps,
+            micro_batch_size=cfg.micro_batch_size,
+        )  # fmt: skip
+    return run
+
+
+def _stateful(run: _Run) -> dict[str, Any]:
+    """Everything a checkpoint holds, by name (the names are keys in the checkpoint)."""
+    stepper = run.stepper
+    return {
+        "model": run.model, "optimizer": stepper.optimizer, "scheduler": stepper.scheduler,
+        "stepper": stepper, "data": run.train_iter, "progress": run.progress,
+    }  # fmt: skip
+
+
+def _resume(run: _Run) -> None:
+    """``--resume``: load the newest valid checkpoint; keep its global batch on this world."""
+    cfg = run.cfg
+    if cfg.resume is None:
+        return
+    auto = cfg.resume == RESUME_AUTO
+    directory = run.out / "checkpoints" if auto else Path(cfg.resume)
+    if not auto and not directory.is_dir():
+        raise ConfigError(f"--resume {cfg.resume!r}: no such checkpoint folder")
+    info = Checkpointer(directory).latest()
+    if info is None:
+        _note(run, f"--resume: no valid checkpoint in {directory}; starting at step 0")
+        return
+    run.accum_steps = info.accum_steps_for(run.world_size)
+    Checkpointer(directory).load(info, **_stateful(run))
+    run.start = info.step
+    _note(run, f"resumed from {info.path} (step {info.step})")
+    if run.accum_steps != cfg.accum_steps:
+        _note(
+            run,
+            f"the checkpoint ran {info.world_size} rank(s) x accum_steps {info.accum_steps}: "
+            f"using accum_steps {run.accum_steps} on {run.world_size} to keep the global batch",
+        )
+
+
+def _note(run: _Run, line: str) -> None:
+    if run.is_main:
+        tqdm.write(line, file=sys.stderr)
+
+
+def _save(run: _Run, step: int) -> int:
+    if run.checkpointer is not None:
+        run.checkpointer.save(step, **_stateful(run))
+    return step
+
+
+def _cut_metrics(path: Path, steps: int) -> None:
+    """Keep the metrics of the first ``steps`` steps: the later ones will be run again."""
+    if path.exists():
+        lines = path.read_text().splitlines(keepends=True)[:steps]
+        path.write_text("".join(line for line in lines if line.endswith("\n")))
+
+
+def _progress(stats: StepStats, tokens_per_s: float, stepper: Stepper, steps: int) -> dict:
+    return {
+        "loss": f"{stats.loss:.3f}",
+        "gnorm": f"{stats.grad_norm:.2f}",
+        "clip%": f"{100 * stepper.clipped_steps / steps:.0f}",
+        "tok/s": f"{tokens_per_s:,.0f}",
+    }
+
+
+def _loop(run: _Run, logger: MetricsLogger) -> dict[str, Any]:
+    """The training loop: one window -> one ``stepper.step`` -> one metrics record."""
+    cfg, done = run.cfg, run.progress
+    if run.start == 0:
+        done.initial_val_loss = evaluate(run.model, run.val, run.device)
+        tqdm.write(f"step 0: val_loss {done.initial_val_loss:.4f}", file=sys.stderr)
+    val_loss = done.initial_val_loss
+    bar = tqdm(
+        total=cfg.max_steps, initial=run.start, unit="step", dynamic_ncols=True, disable=None
+    )
+    todo = max(0, cfg.max_steps - run.start)
+    steps = itertools.islice(windows(run.train_iter, run.accum_steps), todo)
+    n = saved = run.start
+    loss_fn = LMLoss(run.device)
+    for n, window in enumerate(steps, start=run.start + 1):
+        t0 = time.perf_counter()
+        stats = run.stepper.step(window, loss_fn)
+        elapsed = max(time.perf_counter() - t0, 1e-9)
+        done.tokens, done.step_time = done.tokens + stats.items, done.step_time + elapsed
+        done.recent = [*done.recent[-(TRAIN_LOSS_WINDOW - 1) :], (stats.loss, stats.items)]
+        measured = None
+        if n == cfg.max_steps or (cfg.eval_every and n % cfg.eval_every == 0):
+            val_loss = measured = evaluate(run.model, run.val, run.device)
+            tqdm.write(f"step {n}: val_loss {val_loss:.4f}", file=sys.stderr)
+        logger.log_step(stats, elapsed, val_loss=measured)  # flushed: a live report reads it
+        if cfg.save_every and n % cfg.save_every == 0 and run.checkpointer is not None:
+            saved = _save(run, n)
+        bar.update(1)
+        if n % cfg.log_every == 0 or n == cfg.max_steps:
+            progress = _progress(stats, done.tokens / done.step_time, run.stepper, n)
+            bar.set_postfix(progress)
+            if bar.disable:  # no TTY (CI, pipes): a plain line instead of a bar
+                line = " ".join(f"{k} {v}" for k, v in progress.items())
+                print(f"step {n}/{cfg.max_steps} {line}", file=sys.stderr)
+    bar.close()
+    if run.checkpointer is not None and (saved != n or n == run.start):
+        _save(run, n)  # the final checkpoint (also when a resume found nothing left to do)
+    finite = [(loss, items) for loss, items in done.recent if math.isfinite(loss)]
+    recent_tokens = sum(items for _, items in finite)
+    final_train = sum(lo * it for lo, it in finite) / recent_tokens if recent_tokens else math.nan
+    return {
+        "steps": n,
+        "initial_val_loss": done.initial_val_loss,
+        "final_val_loss": val_loss,
+        "final_train_loss": final_train,
+        "train_tokens": done.tokens,
+        "train_tokens_per_s": done.tokens / max(done.step_time, 1e-9),
+    }
+
+
+def _summary(run: _Run, losses: dict[str, Any], started: float) -> dict[str, Any]:
+    cfg, stepper = run.cfg, run.stepper
+    sample = b""
+    if cfg.sample_tokens:
+        gen = torch.Generator().manual_seed(cfg.seed)
+        # Every rank generates (FSDP2's forward needs them all); the same seed and weights
+        # give the same sample, and rank 0 reports it.
+        sample = generate(
+            distributed.unwrap(run.model), SAMPLE_PROMPT, cfg.sample_tokens, 0.8, 40, gen
+        )
+    effective = cfg.micro_batch_size * run.accum_steps * run.world_size
+    return {
+        **losses,
+        "parameters": distributed.unwrap(run.model).num_parameters(),
+        "strategy": cfg.strategy,
+        "world_size": run.world_size,
+        "effective_batch_sequences": effective,
+        "max_tokens_per_step": effective * cfg.seq_len,
+        "mean_tokens_per_step": losses["train_tokens"] / max(losses["steps"], 1),
+        "clipped_steps": stepper.clipped_steps,
+        "skipped_steps": stepper.skipped_steps,
+        "skip_reasons": dict(stepper.skip_reasons),
+        "wall_time_s": time.perf_counter() - started,
+        "corpus": run.corpus.describe(),
+        "sample_prompt": SAMPLE_PROMPT.decode(),
+        "sample": sample.decode("utf-8", errors="replace"),
+    }
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    print(
+        f"\n{summary['steps']} steps in {summary['wall_time_s']:.1f}s "
+        f"({summary['train_tokens_per_s']:,.0f} tok/s while stepping), "
+        f"{summary['parameters']:,} parameters\n"
+        f"effective batch: {summary['effective_batch_sequences']} sequences "
+        f"({summary['world_size']} rank(s), strategy {summary['strategy']}), <= "
+        f"{summary['max_tokens_per_step']:,} tokens/step "
+        f"(mean {summary['mean_tokens_per_step']:,.0f} real tokens)\n"
+        f"val loss: {summary['initial_val_loss']:.4f} -> {summary['final_val_loss']:.4f}   "
+        f"train loss (last steps): {summary['final_train_loss']:.4f}\n"
+        f"clipped steps: {summary['clipped_steps']}   skipped steps: {summary['skipped_steps']}"
+    )
+    if summary["sample"]:
+        print(f"--- sample ---\n{summary['sample_prompt']}{summary['sample']}\n--------------")
+
+
+@contextlib.contextmanager
+def _cpu_threads(threads: int) -> Iterator[None]:
+    """Run with ``threads`` intra-op CPU threads (0: leave torch's setting), then restore:
+    ``train()`` called from a test or a notebook must not change the caller's process."""
+    previous = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def train(
+    cfg: TrainConfig, callbacks: Sequence[Callable[[dict[str, Any]], Any]] = ()
+) -> dict[str, Any]:
+    """Train the demo model as configured; write the run folder and return the summary.
+
+    ``callbacks`` are called (on rank 0) with every step's metrics record, see
+    :class:`~gradstep.metrics.MetricsLogger`: e.g. to forward them to another tracker.
+
+    Under torchrun (``--strategy ddp|fsdp``) every rank runs this; the process group is
+    created here (unless the caller made one) and closed at the end; only rank 0 prints
+    and writes the run folder.
+    """
+    started = time.perf_counter()
+    owns_group = not (dist.is_available() and dist.is_initialized())
+    env = distributed.init(resolve_device(cfg.device))
+    try:
+        with distributed.quiet_unless_main(), _cpu_threads(cfg.threads):
+            summary = _train(cfg, env, started, callbacks)
+    except BaseException:
+        if owns_group:
+            distributed.shutdown(barrier=False)  # the other ranks may never reach a barrier
+        raise
+    if owns_group:
+        distributed.shutdown()
+    return summary
+
+
+def _train(
+    cfg: TrainConfig, env: distributed.DistEnv, started: float, callbacks: Sequence[Callable]
+) -> dict[str, Any]:
+    run = _setup(cfg, env)
+    if run.start and run.is_main:
+        _cut_metrics(run.out / "metrics.jsonl", run.start)
+    # Other ranks run the same loop (collectives) but log their records nowhere.
+    main = run.is_main
+    logger = MetricsLogger(
+        run.out if main else None, tensorboard=cfg.tensorboard and main,
+        callbacks=callbacks if main else (), device=run.device, append=run.start > 0,
+        start_index=run.start,
+    )  # fmt: skip
+    with logger:
+        losses = _loop(run, logger)
+    summary = _summary(run, losses, started)
+    if run.is_main:
+        (run.out / "summary.json").write_text(
+            json.dumps(_jsonable(summary), indent=2, allow_nan=False) + "\n"
+        )
+    _print_summary(summary)
+    return summary

@@ -1,0 +1,648 @@
+"""Checkpoint and resume: exact (bitwise), atomic (SIGKILL at any point), verified, elastic.
+
+Every claim is checked against the plain computation: the uninterrupted run for resume,
+the previously saved state for fault cases, the single-process stream for elastic runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import gradstep
+from gradstep.checkpoint import (
+    MANIFEST,
+    Checkpointer,
+    CheckpointError,
+    elastic_accum_steps,
+)
+from gradstep.train import WarmupCosine
+
+from checkpoint_helpers import (  # isort: skip
+    LR,
+    MAX_STEPS,
+    WARMUP,
+    assert_same_state,
+    build,
+    scramble_rng,
+    snapshot,
+    train,
+)
+
+HERE = Path(__file__).parent
+N = 4  # steps before and after the interruption
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models on a shared 2-core machine: more threads only add contention."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ------------------------------------------------------------------------- exact resume
+
+
+def _adaptive_clips() -> list:
+    from gradstep.adaptive import AutoClip, ZClip
+
+    return [AutoClip(percentile=50.0), ZClip(warmup_steps=2, z_thresh=0.5)]
+
+
+@pytest.mark.parametrize(
+    ("precision", "adaptive"), [("fp32", False), ("fp16", False), ("fp32", True)]
+)
+def test_resume_is_bitwise_identical_to_uninterrupted(
+    tmp_path: Path, precision: str, adaptive: bool
+) -> None:
+    """N steps, save, fresh objects + load, N steps == 2N uninterrupted steps, bit for bit:
+    parameters, optimizer state, scheduler, Stepper counters, fp16 scaler and stateful clip
+    policies (AutoClip history, ZClip EMA), data position, RNG (dropout is on), and every
+    StepStats field of every step."""
+    clip = _adaptive_clips if adaptive else lambda: None
+    run = build(precision, clip=clip())
+    first = train(run, N)
+    Checkpointer(tmp_path, accum_steps=2).save(N, **run)
+    rest = train(run, N)  # the uninterrupted run continues from the same RNG state
+    expected = snapshot(run)
+
+    resumed = build(precision, clip=clip())
+    scramble_rng()
+    assert Checkpointer(tmp_path).load_latest(**resumed) == N
+    after = train(resumed, N)
+
+    assert after == rest  # dataclass equality: every float exactly equal
+    assert_same_state(snapshot(resumed), expected)
+    assert [s.step for s in first + after] == list(range(1, 2 * N + 1))
+    # The LR schedule continues from the global step: no second warm-up.
+    schedule = WarmupCosine(WARMUP, MAX_STEPS, 0.1)
+    assert [s.lr for s in after] == [LR * schedule(N + i) for i in range(N)]
+    if precision == "fp16":
+        assert all(s.loss_scale is not None for s in after)
+    if adaptive:  # the restored policy state was used: they clipped after the resume
+        assert any(p["acted"] for s in after for p in s.policies)
+        assert resumed["stepper"].state_dict()["clip"] == run["stepper"].state_dict()["clip"]
+
+
+def test_save_at_step_zero_keeps_the_optimizer_fresh(tmp_path: Path) -> None:
+    """A checkpoint of an untrained run must not give the optimizer state (AdamW step 1)."""
+    run = build()
+    Checkpointer(tmp_path).save(0, **run)
+    assert not run["optimizer"].state  # saving did not initialise the live optimizer
+    expected = train(run, 3)
+
+    resumed = build()
+    assert Checkpointer(tmp_path).load_latest(**resumed) == 0
+    assert not resumed["optimizer"].state
+    assert train(resumed, 3) == expected
+
+
+def test_manifest_records_the_run_and_checksums_every_file(tmp_path: Path) -> None:
+    run = build()
+    train(run, 2)
+    path = Checkpointer(tmp_path, accum_steps=2, micro_batch_size=2).save(2, **run)
+    assert path == tmp_path / "step-000002"
+    manifest = json.loads((path / MANIFEST).read_text())
+    assert manifest["format"] == "gradstep-checkpoint" and manifest["step"] == 2
+    assert (manifest["world_size"], manifest["accum_steps"], manifest["micro_batch_size"]) == (
+        1,
+        2,
+        2,
+    )
+    assert manifest["global_batch"] == 4 and manifest["global_micro_batches"] == 2
+    assert manifest["gradstep_version"] == gradstep.__version__
+    assert manifest["torch_version"] == torch.__version__
+    on_disk = {p.name for p in path.iterdir()} - {MANIFEST}
+    assert on_disk == {"model.safetensors", "optimizer.safetensors", "rng-rank00000.json"}
+    assert set(manifest["files"]) == on_disk
+    kinds = {name: entry["kind"] for name, entry in manifest["objects"].items()}
+    assert kinds == {
+        "model": "module",
+        "optimizer": "optimizer",
+        "scheduler": "object",
+        "stepper": "object",
+        "data": "object",
+    }
+    # The tied head is stored once and restored as an alias of the embedding.
+    assert manifest["objects"]["model"]["aliases"] == {"lm_head.weight": "embed.weight"}
+    assert manifest["objects"]["data"]["state"]["index"] == 4
+
+
+def test_keep_prunes_the_oldest(tmp_path: Path) -> None:
+    run = build()
+    checkpointer = Checkpointer(tmp_path, keep=2)
+    for step in range(5):
+        checkpointer.save(step, model=run["model"])
+    assert sorted(os.listdir(tmp_path)) == ["step-000003", "step-000004"]
+    assert checkpointer.checkpoints() == [tmp_path / "step-000004", tmp_path / "step-000003"]
+
+
+def test_saving_a_step_again_replaces_it(tmp_path: Path) -> None:
+    run = build()
+    checkpointer = Checkpointer(tmp_path)
+    checkpointer.save(1, model=run["model"])
+    with torch.no_grad():
+        run["model"].embed.weight.add_(1.0)
+    checkpointer.save(1, model=run["model"])
+    expected = run["model"].embed.weight.detach().clone()
+    fresh = build()
+    assert checkpointer.load_latest(model=fresh["model"]) == 1
+    assert torch.equal(fresh["model"].embed.weight, expected)
+    assert sorted(os.listdir(tmp_path)) == ["step-000001"]
+
+
+class Blob:
+    """An object whose state exercises every encoding the manifest supports."""
+
+    def __init__(self) -> None:
+        self.state: dict[str, Any] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.state = state
+
+
+def test_object_state_round_trips_exactly(tmp_path: Path) -> None:
+    state = {
+        "floats": [0.1, -0.0, 1e-310, math.inf, -math.inf, 2.0**60],
+        "tuple": (1, "a", (2.5, None)),
+        "int_keys": {0: "zero", 7: [True, False]},
+        "counter": Counter({"nan loss": 2}),
+        "bytes": b"\x00\xff",
+        "array": np.arange(5, dtype=np.uint32),
+        "tensor": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3),
+        "dtype": torch.float16,
+        "big": 2**70,
+    }
+    blob = Blob()
+    blob.state = state
+    Checkpointer(tmp_path).save(0, blob=blob)
+    restored = Blob()
+    Checkpointer(tmp_path).load_latest(blob=restored)
+    got = restored.state
+    assert got["floats"][:3] == [0.1, -0.0, 1e-310] and math.copysign(1, got["floats"][1]) < 0
+    assert got["floats"][3:] == [math.inf, -math.inf, 2.0**60]
+    assert got["tuple"] == (1, "a", (2.5, None)) and isinstance(got["tuple"][2], tuple)
+    assert got["int_keys"] == {0: "zero", 7: [True, False]}
+    assert got["counter"] == {"nan loss": 2} and got["bytes"] == b"\x00\xff"
+    assert got["array"].dtype == np.uint32 and got["array"].tolist() == [0, 1, 2, 3, 4]
+    assert got["tensor"].dtype == torch.bfloat16 and torch.equal(got["tensor"], state["tensor"])
+    assert got["dtype"] is torch.float16 and got["big"] == 2**70
+    nan_blob = Blob()
+    nan_blob.state = {"x": math.nan}
+    Checkpointer(tmp_path / "nan").save(0, blob=nan_blob)
+    Checkpointer(tmp_path / "nan").load_latest(blob=restored)
+    assert math.isnan(restored.state["x"])
+
+
+def test_unsupported_state_is_named(tmp_path: Path) -> None:
+    blob = Blob()
+    blob.state = {"ok": 1, "inner": {"bad": object()}}
+    with pytest.raises(CheckpointError, match=r"blob\.inner\.bad of type object"):
+        Checkpointer(tmp_path).save(0, blob=blob)
+    assert os.listdir(tmp_path) == []  # nothing half-written left behind
+
+
+# ------------------------------------------------------------------- corruption and kills
+
+
+def _flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path: Path) -> None:
+    os.truncate(path, path.stat().st_size - 7)
+
+
+CORRUPTIONS = {
+    "model flipped byte": ("model.safetensors", _flip_byte, "does not match its sha256"),
+    "optimizer truncated": ("optimizer.safetensors", _truncate, "truncated"),
+    "manifest flipped byte": (MANIFEST, _flip_byte, MANIFEST),
+    "manifest truncated": (MANIFEST, _truncate, "not valid JSON"),
+    "manifest deleted": (MANIFEST, Path.unlink, "missing"),
+    "rng file flipped byte": ("rng-rank00000.json", _flip_byte, "does not match its sha256"),
+    "file deleted": ("optimizer.safetensors", Path.unlink, "optimizer.safetensors is missing"),
+}
+
+
+@pytest.mark.parametrize("case", list(CORRUPTIONS))
+def test_corrupted_newest_falls_back_to_the_previous(
+    tmp_path: Path, case: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    filename, corrupt, reason = CORRUPTIONS[case]
+    run = build()
+    checkpointer = Checkpointer(tmp_path)
+    train(run, 1)
+    checkpointer.save(1, **run)
+    expected = snapshot(run)
+    train(run, 1)
+    checkpointer.save(2, **run)
+    corrupt(tmp_path / "step-000002" / filename)
+
+    resumed = build()
+    with caplog.at_level(logging.WARNING, logger="gradstep.checkpoint"):
+        assert checkpointer.load_latest(**resumed) == 1
+    assert_same_state(snapshot(resumed), expected)
+    [record] = caplog.records  # exactly one line per unusable checkpoint
+    message = record.getMessage()
+    assert "\n" not in message and "step-000002" in message and reason in message
+    assert "loading step-000001 instead" in message
+
+
+def test_nothing_valid_returns_none(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    run = build()
+    checkpointer = Checkpointer(tmp_path)
+    assert checkpointer.load_latest(**run) is None  # no directory at all
+    checkpointer.save(1, model=run["model"])
+    checkpointer.save(2, model=run["model"])
+    for step in (1, 2):
+        _flip_byte(tmp_path / f"step-00000{step}" / "model.safetensors")
+    with caplog.at_level(logging.WARNING, logger="gradstep.checkpoint"):
+        assert checkpointer.load_latest(model=run["model"]) is None
+    assert len(caplog.records) == 2
+    assert all("no valid checkpoint left" in r.getMessage() for r in caplog.records)
+    with pytest.raises(CheckpointError, match="does not match its sha256"):
+        checkpointer.load(tmp_path / "step-000002", model=run["model"])
+
+
+def _kill_child(*args: str) -> Any:
+    """Run tests/checkpoint_kill_child.py (one interpreter; it forks per case)."""
+    cmd = [sys.executable, str(HERE / "checkpoint_kill_child.py"), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+def _loaded_step(directory: Path) -> int | None:
+    """What a fresh process would resume: the step, checked against the saved contents."""
+    model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.Linear(1024, 512))
+    counter = Blob()
+    step = Checkpointer(directory).load_latest(model=model, counter=counter)
+    if step is not None:
+        assert counter.state == {"step": step}
+        assert all(torch.equal(p, torch.full_like(p, step)) for p in model.parameters())
+    return step
+
+
+KILL_POINTS = {
+    # point: the step a resume must find (2 = the previous checkpoint, 3 = the new one)
+    "mid_tensor_file": 2,
+    "before_manifest": 2,
+    "mid_manifest": 2,
+    "before_rename": 2,
+    "replace": 2,  # re-saving step 2, killed between moving the old copy and the new in
+    "before_prune": 3,
+    "mid_prune": 3,
+}
+
+
+@pytest.fixture(scope="module")
+def killed_saves(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, int]]:
+    """Every kill point run once: {point: the signal the saving process died of}."""
+    directory = tmp_path_factory.mktemp("killed")
+    return directory, _kill_child(str(directory), "points", ",".join(KILL_POINTS))
+
+
+@pytest.mark.parametrize("point", list(KILL_POINTS))
+def test_sigkill_during_save_leaves_a_loadable_checkpoint(
+    killed_saves: tuple[Path, dict[str, int]], point: str
+) -> None:
+    directory, died = killed_saves
+    assert died[point] == signal.SIGKILL
+    path = directory / point
+    assert _loaded_step(path) == KILL_POINTS[point]
+    # The next save tidies what the killed one left and keeps the format consistent.
+    Checkpointer(path, keep=2).save(10, model=torch.nn.Linear(2, 2))
+    names = sorted(os.listdir(path))
+    assert names[-1] == "step-000010" and not [n for n in names if n.startswith(".")]
+
+
+def test_sigkill_at_random_moments(tmp_path: Path) -> None:
+    """A process saving in a loop (keep=2) is killed at random instants, five times; each
+    time the newest checkpoint loads with exactly its step's contents, and saving resumes
+    from it."""
+    loaded = _kill_child(str(tmp_path), "random", "5", "1")
+    assert len(loaded) == 5 and all(step is not None for step in loaded)
+    assert loaded == sorted(loaded) and loaded[-1] > loaded[0]
+    assert _loaded_step(tmp_path) == loaded[-1]
+
+
+# ------------------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize(
+    ("overrides", "keys"),
+    [
+        ({"d_model": 24}, ["embed.weight (checkpoint (256, 16), model (256, 24))"]),
+        ({"n_layer": 2}, ["missing keys", "blocks.1.attn.qkv.weight", "blocks.1.norm1.bias"]),
+        ({"vocab_size": 128}, ["shape mismatches", "embed.weight", "lm_head.weight"]),
+    ],
+)
+def test_incompatible_model_lists_keys_and_changes_nothing(
+    tmp_path: Path, overrides: dict, keys: list[str]
+) -> None:
+    run = build()
+    train(run, 2)
+    Checkpointer(tmp_path).save(2, **run)
+    other = build(**overrides)
+    train(other, 1)
+    before = snapshot(other)
+    with pytest.raises(CheckpointError) as info:
+        Checkpointer(tmp_path).load_latest(**other)
+    message = str(info.value)
+    assert "step-000002" in message and "Nothing was loaded" in message
+    for key in keys:
+        assert key in message
+    assert_same_state(snapshot(other), before)
+
+
+def test_unexpected_keys_are_listed(tmp_path: Path) -> None:
+    run = build(n_layer=2)
+    Checkpointer(tmp_path).save(0, **run)
+    other = build(n_layer=1)
+    with pytest.raises(CheckpointError, match=r"unexpected keys \(not in the model\): blocks\.1\."):
+        Checkpointer(tmp_path).load_latest(**other)
+
+
+def test_a_refused_object_rolls_back_the_others(tmp_path: Path) -> None:
+    """The data stream of another seed refuses the state: nothing stays half-loaded."""
+    run = build()
+    train(run, 2)
+    Checkpointer(tmp_path).save(2, **run)
+    other = build()
+    other["data"].seed = 99  # a differently configured stream
+    before = snapshot(other)
+    ordered = {k: other[k] for k in ("stepper", "scheduler", "data", "model", "optimizer")}
+    with pytest.raises(CheckpointError, match="data refused its saved state.*seed"):
+        Checkpointer(tmp_path).load_latest(**ordered)
+    assert_same_state(snapshot(other), before)
+
+
+def test_names_must_match_unless_not_strict(tmp_path: Path) -> None:
+    run = build()
+    train(run, 1)
+    Checkpointer(tmp_path).save(1, **run)
+    fresh = build()
+    with pytest.raises(CheckpointError, match=r"also holds \['data', 'scheduler', 'stepper'\]"):
+        Checkpointer(tmp_path).load_latest(model=fresh["model"], optimizer=fresh["optimizer"])
+    with pytest.raises(CheckpointError, match=r"has no state for \['ema'\]"):
+        Checkpointer(tmp_path).load_latest(**fresh, ema=Blob())
+    with pytest.raises(CheckpointError, match="'model' was saved as kind 'module', got kind 'obj"):
+        Checkpointer(tmp_path).load_latest(strict=False, model=Blob())
+    step = Checkpointer(tmp_path).load_latest(strict=False, model=fresh["model"])
+    assert step == 1 and torch.equal(fresh["model"].embed.weight, run["model"].embed.weight)
+
+
+def test_bad_arguments_name_the_parameter(tmp_path: Path) -> None:
+    run = build()
+    for kwargs, match in [
+        ({"keep": 0}, "keep must be an int >= 1, got 0"),
+        ({"keep": 2.5}, "keep must be an int >= 1"),
+        ({"accum_steps": 0}, "accum_steps must be an int >= 1"),
+    ]:
+        with pytest.raises(CheckpointError, match=match):
+            Checkpointer(tmp_path, **kwargs)
+    checkpointer = Checkpointer(tmp_path)
+    with pytest.raises(CheckpointError, match="step must be an int >= 0, got -1"):
+        checkpointer.save(-1, model=run["model"])
+    with pytest.raises(CheckpointError, match="at least one object"):
+        checkpointer.save(1)
+    with pytest.raises(CheckpointError, match="x=int: checkpointed objects must be"):
+        checkpointer.save(1, x=3)
+    with pytest.raises(CheckpointError, match="at most one nn.Module"):
+        checkpointer.save(1, a=run["model"], b=torch.nn.Linear(1, 1))
+    with pytest.raises(CheckpointError, match="optimizer needs its model"):
+        checkpointer.save(1, optimizer=run["optimizer"])
+    assert not tmp_path.exists() or os.listdir(tmp_path) == []
+
+
+# -------------------------------------------------------------------------------- elastic
+
+
+@pytest.mark.parametrize(
+    ("world", "k", "new_world", "saver"),
+    [(2, 2, 1, 0), (1, 4, 2, 0), (2, 3, 3, 1), (4, 1, 2, 3), (3, 2, 2, 2)],
+)
+@pytest.mark.parametrize("steps", [1, 5, 8])
+def test_data_position_is_global_across_world_sizes(
+    world: int, k: int, new_world: int, saver: int, steps: int
+) -> None:
+    """W ranks take ``steps`` windows of k, rank ``saver``'s position is saved (through
+    JSON); W' ranks resume with k' = k*W/W'. Interleaved by stride, everything consumed is
+    the single-process stream exactly. The corpus is tiny (a few micro-batches per epoch)
+    so saves land on and past epoch boundaries."""
+    from checkpoint_helpers import MICRO, SEQ, batch_id, docs
+    from gradstep.data import TrainBatches
+
+    corpus = docs(n=2, size=90)
+    per_epoch = len(TrainBatches(corpus, SEQ, MICRO, seed=3)._epoch_plan(0))
+    assert per_epoch <= 8  # so every case crosses several epochs
+    new_k = elastic_accum_steps(k, world, new_world)
+    after = 4
+    total = (steps + after) * k * world
+    stream = TrainBatches(corpus, SEQ, MICRO, seed=3)
+    expected = [batch_id(next(stream)) for _ in range(total)]
+
+    old = [TrainBatches(corpus, SEQ, MICRO, seed=3, rank=r, world_size=world) for r in range(world)]
+    got = [batch_id(next(old[i % world])) for i in range(steps * k * world)]
+    state = json.loads(json.dumps(old[saver].state_dict()))
+    new = [
+        TrainBatches(corpus, SEQ, MICRO, seed=3, rank=r, world_size=new_world)
+        for r in range(new_world)
+    ]
+    for it in new:
+        it.load_state_dict(state)
+    got += [batch_id(next(new[i % new_world])) for i in range(after * new_k * new_world)]
+    assert got == expected
+
+
+def test_elastic_accum_steps_keeps_the_global_batch() -> None:
+    assert elastic_accum_steps(4, 2, 1) == 8
+    assert elastic_accum_steps(8, 1, 2) == 4
+    assert elastic_accum_steps(3, 4, 6) == 2
+    with pytest.raises(CheckpointError, match=r"world_size=2 x accum_steps=3 = 6 .* world_size=4"):
+        elastic_accum_steps(3, 2, 4)
+    with pytest.raises(CheckpointError, match="world_size must be an int >= 1"):
+        elastic_accum_steps(3, 2, 0)
+
+
+# ------------------------------------------------- several ranks (gloo, spawned processes)
+
+ELASTIC_STEPS = (3, 2, 2)  # steps on 2 ranks (FSDP2), then 1 process, then 2 ranks
+GLOBAL_MICRO_BATCHES = 4
+ELASTIC_RTOL = 2e-6  # per-tensor relative error of the parameters vs the 1-process run
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_elastic_2_1_2_ranks_keeps_the_stream_and_the_state(tmp_path: Path) -> None:
+    """Saved on 2 FSDP2 ranks (DCP, sharded) -> resumed on 1 process (k 2 -> 4) -> saved
+    (safetensors) -> resumed on 2 FSDP2 ranks (k 4 -> 2). Every resume restores exactly the
+    saved state; the micro-batches consumed over the whole run are the uninterrupted
+    stream, each exactly once, in the same places; the DCP checkpoint of 2 ranks also loads
+    into DDP on 2 ranks and, saved from DDP, into 1 process."""
+    from distributed_helpers import run_ranks
+
+    from checkpoint_helpers import (  # isort: skip
+        MICRO,
+        SEQ,
+        assert_same_full_state,
+        batch_id,
+        docs,
+        elastic_phase,
+        elastic_phase_then_rewrap,
+        full_state,
+    )
+    from gradstep.data import TrainBatches
+
+    ckpt, ddp_ckpt = str(tmp_path / "run"), str(tmp_path / "ddp")
+    s1, s2, s3 = ELASTIC_STEPS
+    a = run_ranks(elastic_phase, 2, ckpt, "fsdp", s1, 2)
+    b = elastic_phase(0, 1, ckpt, "none", s2, 0)
+    c = run_ranks(elastic_phase_then_rewrap, 2, ckpt, ddp_ckpt, s3)
+
+    assert [a[0]["k"], b["k"], c[0]["k"]] == [2, 4, 2]
+    assert [a[0]["start"], b["start"], c[0]["start"]] == [0, s1, s1 + s2]
+    assert_same_full_state(b["restored"], a[0]["final"])  # 2 ranks (DCP) -> 1
+    for rank in range(2):
+        assert_same_full_state(a[rank]["final"], a[0]["final"])
+        assert_same_full_state(c[rank]["restored"], b["final"])  # 1 -> 2 ranks (sharded)
+        assert_same_full_state(c[rank]["ddp_restored"], c[0]["final"])  # FSDP2 -> DDP
+
+    # The data stream: step s of the run takes global micro-batches s*4 .. s*4+3; rank r of
+    # W takes r, r+W, ... of them (the stride of TrainBatches).
+    total = sum(ELASTIC_STEPS) * GLOBAL_MICRO_BATCHES
+    stream = TrainBatches(docs(), SEQ, MICRO, seed=7)
+    expected = [batch_id(next(stream)) for _ in range(total)]
+    assert len(set(expected)) == total  # ids are unambiguous
+    got: list[str | None] = [None] * total
+    phases = [(a, 0, 2), ([b], s1, 1), (c, s1 + s2, 2)]
+    for results, start, world in phases:
+        for rank, result in enumerate(results):
+            for step, seen in enumerate(result["seen"]):
+                for j, ident in enumerate(seen):
+                    position = (start + step) * GLOBAL_MICRO_BATCHES + rank + j * world
+                    assert got[position] is None, f"micro-batch {position} consumed twice"
+                    got[position] = ident
+    assert got == expected  # no gap, no repeat, nothing out of place
+
+    # And the training is the uninterrupted single-process one (k = 4): equal up to the
+    # order of float32 sums across ranks.
+    ref = build(dropout=0.0)
+    train(ref, sum(ELASTIC_STEPS), GLOBAL_MICRO_BATCHES)
+    ref_params = full_state(ref)["params"]
+    for name, want in ref_params.items():
+        got = c[0]["final"]["params"][name]
+        assert float((got - want).norm() / want.norm()) <= ELASTIC_RTOL, name
+
+    # The DDP-saved DCP checkpoint of 2 ranks loads in one process.
+    d = build(dropout=0.0)
+    assert Checkpointer(ddp_ckpt).load_latest(**d) == sum(ELASTIC_STEPS)
+    assert_same_full_state(full_state(d), c[0]["final"])
+
+
+# ------------------------------------------------------------------------------------ CLI
+
+CLI_TINY = [
+    "--n-layer", "1", "--n-head", "2", "--d-model", "16", "--seq-len", "16",
+    "--micro-batch-size", "2", "--accum-steps", "2", "--eval-batches", "2",
+    "--sample-tokens", "8", "--warmup", "2", "--dropout", "0.1", "--eval-every", "2",
+    "--max-steps", "6", "--save-every", "3",
+]  # fmt: skip
+
+
+def _text_corpus(folder: Path) -> Path:
+    folder.mkdir()
+    gen = random.Random(0)
+    words = ["def", "return", "self", "value", "for", "in", "if", "else", "None", "(x)"]
+    for i in range(6):
+        lines = [" ".join(gen.choices(words, k=8)) for _ in range(40)]
+        (folder / f"f{i}.py").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+def _rows(run: Path) -> list[dict[str, Any]]:
+    """The deterministic part of each metrics line (no wall times, no memory)."""
+    keep = {f.name for f in dataclasses.fields(gradstep.StepStats)} | {"val_loss"}
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if k in keep} for line in lines]
+
+
+def _final(run: Path) -> dict[str, Any]:
+    manifest = json.loads((run / "checkpoints" / "step-000006" / MANIFEST).read_text())
+    files = {n: m["sha256"] for n, m in manifest["files"].items()}
+    del manifest["objects"]["progress"]["state"]["step_time"]  # wall time spent stepping
+    return {"files": files, "objects": manifest["objects"], "step": manifest["step"]}
+
+
+def test_cli_resume_is_bitwise_identical(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`gradstep train --save-every 3` runs 6 steps; a second run of the same command
+    crashes in step 5 (after the step-3 checkpoint and 4 metrics lines); `gradstep train
+    --resume` in a fresh process continues it. Metrics lines and the final checkpoint's files
+    (parameters, optimizer, RNG: same sha256) equal the uninterrupted run's."""
+    from gradstep.cli import main
+
+    args = [*CLI_TINY, "--data", str(_text_corpus(tmp_path / "data"))]
+    whole, crashed = tmp_path / "whole", tmp_path / "crashed"
+    assert main(["train", *args, "--out", str(whole)]) == 0
+
+    real_step, calls = gradstep.Stepper.step, []
+
+    def crash_in_step_5(self: gradstep.Stepper, *a: Any, **kw: Any) -> gradstep.StepStats:
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt  # what a kill looks like to the files: step 5 never ends
+        return real_step(self, *a, **kw)
+
+    monkeypatch.setattr(gradstep.Stepper, "step", crash_in_step_5)
+    assert main(["train", *args, "--out", str(crashed)]) == 130
+    monkeypatch.undo()
+    assert len(_rows(crashed)) == 4
+    assert sorted(os.listdir(crashed / "checkpoints")) == ["step-000003"]
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the same thread count as this process
+    resume = [sys.executable, "-m", "gradstep", "train", *args, "--out", str(crashed), "--resume"]
+    result = subprocess.run(resume, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "step-000003" in result.stderr + result.stdout
+
+    assert _rows(crashed) == _rows(whole)
+    assert [r["step"] for r in _rows(crashed)] == list(range(1, 7))
+    assert _final(crashed) == _final(whole)
+    summaries = [json.loads((run / "summary.json").read_text()) for run in (whole, crashed)]
+    for key in ("steps", "initial_val_loss", "final_val_loss", "final_train_loss", "sample"):
+        assert summaries[0][key] == summaries[1][key], key
+
+
+def test_cli_resume_errors_are_clear(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from gradstep.cli import main
+
+    args = [*CLI_TINY, "--data", str(_text_corpus(tmp_path / "data"))]
+    assert main(["train", *args, "--out", str(tmp_path / "a"), "--resume", "nope"]) == 2
+    assert "--resume" in capsys.readouterr().err
+    assert main(["train", *args, "--max-steps", "3", "--out", str(tmp_path / "a")]) == 0
+    wider = [*args, "--max-steps", "3", "--d-model", "32", "--out", str(tmp_path / "a")]
+    assert main(["train", *wider, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "shape mismatch" in err and "embed.weight" in err

@@ -1,0 +1,249 @@
+"""Metrics sinks: what every sink receives equals the step that was taken.
+
+The logged loss and pre-clip norm are checked against the plain computation (one fp64 batch
+holding every item of the window, token-weighted mean), so a sink that logged a per-micro-
+batch mean or a post-clip norm would fail, not just a sink that dropped a step.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import gradstep
+from gradstep.metrics import (
+    TENSORBOARD_TAGS,
+    CallbackSink,
+    JsonlSink,
+    MetricsLogger,
+    jsonable,
+    peak_memory,
+)
+from helpers import TinyLM, collate, make_window
+
+# Micro-batches with very different token counts: a mean of per-micro-batch means would
+# give a loss and norm visibly different from the token-weighted ones checked here.
+LENGTHS = [[[9, 2], [3]], [[12, 12, 7], [2, 2]], [[5], [11, 1, 8]]]
+
+
+def loss_fn(model: torch.nn.Module, mb: dict[str, torch.Tensor]) -> gradstep.LossSum:
+    return gradstep.token_loss(model(mb["input_ids"]), mb["labels"])
+
+
+def fp64_reference(model: torch.nn.Module, seqs: list) -> tuple[float, float]:
+    """Window mean loss and gradient norm, the plain way: one fp64 batch of every item."""
+    ref = copy.deepcopy(model).double()
+    batch = collate(seqs)
+    logits = ref(batch["input_ids"])
+    loss = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.size(-1)), batch["labels"].reshape(-1), ignore_index=-100
+    )
+    loss.backward()
+    norm = torch.cat([p.grad.reshape(-1) for p in ref.parameters()]).norm()
+    return float(loss.detach()), float(norm)
+
+
+def run_steps(logger: MetricsLogger, clip: float = 0.05) -> list[tuple]:
+    """Three Stepper steps through ``logger``; returns (stats, reference loss, norm) each."""
+    model = TinyLM()
+    stepper = gradstep.Stepper(
+        model, torch.optim.SGD(model.parameters(), lr=0.5), clip=gradstep.ClipNorm(clip)
+    )
+    out = []
+    for seed, lengths in enumerate(LENGTHS):
+        window, seqs = make_window(lengths, seed=seed)
+        ref_loss, ref_norm = fp64_reference(model, seqs)
+        t0 = time.perf_counter()
+        stats = stepper.step(window, loss_fn)
+        logger.log_step(stats, time.perf_counter() - t0, val_loss=1.5 if seed == 1 else None)
+        out.append((stats, ref_loss, ref_norm))
+    return out
+
+
+def test_callback_sink_receives_every_step_with_exact_values(tmp_path: Path) -> None:
+    received: list[dict] = []
+    with MetricsLogger(tmp_path, callbacks=[received.append]) as logger:
+        steps = run_steps(logger)
+    assert len(received) == len(steps) == 3
+    fields = [f.name for f in dataclasses.fields(gradstep.StepStats)]
+    for i, (rec, (stats, ref_loss, ref_norm)) in enumerate(zip(received, steps, strict=True)):
+        assert {k: rec[k] for k in fields} == dataclasses.asdict(stats)
+        # The true window quantities (fp32 vs fp64 reference): measured rel. error <= 1.1e-7.
+        assert rec["loss"] == pytest.approx(ref_loss, rel=1e-6)
+        assert rec["grad_norm"] == pytest.approx(ref_norm, rel=1e-6)
+        assert rec["clipped"] and rec["post_clip_norm"] == pytest.approx(0.05, rel=1e-4)
+        assert rec["clip_threshold"] == 0.05 and rec["lr"] == 0.5
+        assert rec["tokens_per_s"] == pytest.approx(stats.items / rec["step_time_s"])
+        assert rec["memory_source"] == "max_rss" and rec["peak_memory_mb"] > 0
+        assert ("val_loss" in rec) == (i == 1)
+    # The JSON lines file holds the same records, one per line.
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == received
+
+
+def test_mutating_the_callback_record_does_not_change_other_sinks(tmp_path: Path) -> None:
+    def vandal(rec: dict) -> None:
+        rec["loss"] = -1.0
+
+    with MetricsLogger(tmp_path, callbacks=[vandal]) as logger:
+        run_steps(logger)
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(row["loss"] > 0 for row in rows)
+
+
+def _scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    acc = EventAccumulator(str(log_dir))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def _same_f32(a: float, b: float) -> bool:
+    """TensorBoard stores float32: equal after rounding to float32, nan equal to nan."""
+    fa, fb = torch.tensor(a, dtype=torch.float32), torch.tensor(b, dtype=torch.float32)
+    return bool(torch.equal(fa, fb) or (fa.isnan() and fb.isnan()))
+
+
+def test_tensorboard_events_read_back_equal(tmp_path: Path) -> None:
+    received: list[dict] = []
+    with MetricsLogger(tmp_path, tensorboard=True, callbacks=[received.append]) as logger:
+        run_steps(logger)
+        # An empty window (every label ignored) is a skipped step: StepStats.step does not
+        # advance, but it still gets its own x (window index 4) in TensorBoard.
+        model = TinyLM()
+        stepper = gradstep.Stepper(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        window, _ = make_window([[3]])
+        window[0]["labels"].fill_(-100)
+        logger.log_step(stepper.step(window, loss_fn), 0.01)
+    scalars = _scalars(tmp_path / "tensorboard")
+    expected: dict[str, list[tuple[int, float]]] = {}
+    for index, rec in enumerate(received, start=1):
+        for key, tag in TENSORBOARD_TAGS.items():
+            if isinstance(rec.get(key), (bool, int, float)):
+                expected.setdefault(tag, []).append((index, float(rec[key])))
+    assert set(scalars) == set(expected)
+    assert {"train/loss", "val/loss", "grad/norm_pre_clip", "grad/skipped"} <= set(scalars)
+    for tag, points in expected.items():
+        got = scalars[tag]
+        assert [s for s, _ in got] == [s for s, _ in points], tag
+        assert all(_same_f32(g, e) for (_, g), (_, e) in zip(got, points, strict=True)), tag
+    assert scalars["grad/skipped"][-1] == (4, 1.0) and scalars["val/loss"] == [(2, 1.5)]
+
+
+def test_jsonl_is_strict_json_and_appends(tmp_path: Path) -> None:
+    path = tmp_path / "m.jsonl"
+    sink = JsonlSink(path)
+    sink.write({"grad_norm": math.inf, "x": math.nan, "t": torch.tensor(2.5), "ok": 1})
+    sink.close()
+    again = JsonlSink(path, append=True)
+    again.write({"ok": 2})
+    again.close()
+    lines = path.read_text().splitlines()
+    assert [json.loads(x) for x in lines] == [
+        {"grad_norm": None, "x": None, "t": 2.5, "ok": 1},
+        {"ok": 2},
+    ]
+    assert "NaN" not in lines[0] and "Infinity" not in lines[0]
+
+
+def test_peak_memory_is_in_mib() -> None:
+    # 128 MiB touched by this process: max RSS must be at least that much, in MiB. A unit
+    # slip (KiB or bytes read as MiB) fails this in one direction or the other.
+    block = torch.ones(128 * 2**20 // 4)
+    mib, source = peak_memory("cpu")
+    assert source == "max_rss" and 128 <= mib < 1e6
+    del block
+
+
+def test_bad_input_errors_name_the_parameter(tmp_path: Path) -> None:
+    model = TinyLM()
+    stepper = gradstep.Stepper(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    stats = stepper.step(make_window([[3]])[0], loss_fn)
+    with MetricsLogger() as logger:
+        with pytest.raises(ValueError, match="step_time_s"):
+            logger.log_step(stats, 0.0)
+        with pytest.raises(TypeError, match="StepStats"):
+            logger.log_step(dataclasses.asdict(stats), 0.1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="out_dir"):
+        MetricsLogger(tensorboard=True)
+    with pytest.raises(TypeError, match="callable"):
+        CallbackSink(42)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="sinks"):
+        MetricsLogger(sinks=[object()])  # type: ignore[list-item]
+
+
+def test_custom_sink_gets_every_step_and_is_closed() -> None:
+    class Collect:
+        def __init__(self) -> None:
+            self.rows: list[dict] = []
+            self.closed = False
+
+        def write(self, record: dict) -> None:
+            self.rows.append(record)
+
+        def close(self) -> None:
+            self.closed = True
+
+    sink = Collect()
+    with MetricsLogger(sinks=[sink]) as logger:
+        run_steps(logger)
+    assert len(sink.rows) == 3 and sink.closed and logger.steps_logged == 3
+
+
+TINY_TRAIN = dict(
+    n_layer=1, n_head=2, d_model=32, seq_len=32, micro_batch_size=2, accum_steps=2,
+    eval_batches=2, sample_tokens=0, warmup=1, max_steps=3, eval_every=2,
+)  # fmt: skip
+
+
+def test_tensorboard_flag_parses_as_a_boolean() -> None:
+    from gradstep.cli import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["train", "--tensorboard"]).tensorboard is True
+    assert parse(["train", "--no-tensorboard"]).tensorboard is False
+    assert not hasattr(parse(["train"]), "tensorboard")  # absent: the TOML file decides
+
+
+def test_train_logs_every_step_to_every_sink(tmp_path: Path) -> None:
+    from gradstep.cli import main
+    from gradstep.config import TrainConfig
+    from gradstep.train import train
+
+    out = tmp_path / "run"
+    seen: list[dict] = []
+    train(TrainConfig(**TINY_TRAIN, tensorboard=True, out=str(out)), callbacks=[seen.append])
+    assert [r["step"] for r in seen] == [1, 2, 3]
+    assert [("val_loss" in r) for r in seen] == [False, True, True]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [json.loads(json.dumps(jsonable(r))) for r in seen]
+    scalars = _scalars(out / "tensorboard")
+    assert [s for s, _ in scalars["train/loss"]] == [1, 2, 3]
+    logged = [v for _, v in scalars["train/loss"]]
+    assert all(_same_f32(v, r["loss"]) for v, r in zip(logged, seen, strict=True))
+    assert [s for s, _ in scalars["val/loss"]] == [2, 3]
+    assert main(["report", str(out)]) == 0
+    assert "finished" in (out / "report" / "report.html").read_text()
+
+
+def test_resumed_logger_appends_and_continues_the_tensorboard_axis(tmp_path: Path) -> None:
+    with MetricsLogger(tmp_path, tensorboard=True) as first:
+        run_steps(first)
+    # A resume after the 2nd step: the run cuts metrics.jsonl back to 2 lines, then appends.
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines(keepends=True)[:2]
+    (tmp_path / "metrics.jsonl").write_text("".join(lines))
+    with MetricsLogger(tmp_path, tensorboard=True, append=True, start_index=2) as second:
+        run_steps(second)
+    rows = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert len(rows) == 5 and rows[:2] == [x.rstrip("\n") for x in lines]
+    # Both event files are read together: the first run's x = 1, 2, 3, then the resumed
+    # run's 3, 4, 5 (its step 3 re-runs the one lost after the checkpoint), not 1, 2, 3 again.
+    steps = [s for s, _ in _scalars(tmp_path / "tensorboard")["train/loss"]]
+    assert steps == [1, 2, 3, 3, 4, 5]
