@@ -6,6 +6,10 @@ STAMP := $(VENV)/.gradstep-installed
 
 .PHONY: venv train test lint bench clean
 
+# OpenMP threads that busy-wait for each other slow torch 10-20x on a small shared machine
+# (2 cores, tests running 2 ranks): let idle threads sleep.
+export OMP_WAIT_POLICY ?= PASSIVE
+
 # The pinned CPU torch goes in first: an unpinned `torch` would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,7 +30,10 @@ lint: venv
 	$(PY) -m ruff format --check src tests bench examples
 
 bench: venv
+	$(PY) bench/parity.py
 	$(PY) bench/step_overhead.py
+	$(PY) bench/distributed.py
+	$(PY) bench/spikes.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

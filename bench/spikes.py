@@ -16,7 +16,7 @@ one), clipped and skipped steps. Outputs: a markdown table printed and written t
 ``bench/out/spikes.md``, the curves in ``bench/out/spikes.json``, a PNG of the loss curves
 in ``bench/out/spikes.png``, copied to ``docs/spikes.png``.
 
-    .venv/bin/python bench/spikes.py              # ~3-6 min on 2 shared CPU cores
+    .venv/bin/python bench/spikes.py              # 12 runs, ~2 min on 2 idle CPU cores
     .venv/bin/python bench/spikes.py --steps 100  # quick look
 
 Not a test: nothing is asserted; the numbers are for the README.

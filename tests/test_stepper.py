@@ -72,7 +72,7 @@ def test_accumulated_gradient_equals_full_batch_fp64(k, data):
     assert rel_err(got, ref) <= 1e-12
 
 
-@pytest.mark.parametrize("k", [2, 3, 7])
+@pytest.mark.parametrize("k", [1, 2, 3, 7])
 def test_parameters_after_three_adamw_steps_match_full_batch(k):
     torch.manual_seed(3)
     model = TinyLM()

@@ -4,7 +4,9 @@ Many micro-batches make one optimizer step equal to the step of one large batch,
 on the global, unscaled norm, in any precision, with every event reported.
 """
 
+from . import distributed, metrics
 from .adaptive import AGC, AutoClip, SpikeGuard, ZClip, find_output_layer
+from .checkpoint import Checkpointer, CheckpointError
 from .clip import ClipContext, ClipNorm, ClipPolicy, ClipResult, ClipValue, parse_clip
 from .loss import LossSum, token_loss
 from .stepper import Stepper, StepStats, windows
@@ -14,6 +16,8 @@ __version__ = "0.1.0"
 __all__ = [
     "AGC",
     "AutoClip",
+    "CheckpointError",
+    "Checkpointer",
     "ClipContext",
     "ClipNorm",
     "ClipPolicy",
@@ -25,7 +29,9 @@ __all__ = [
     "Stepper",
     "ZClip",
     "__version__",
+    "distributed",
     "find_output_layer",
+    "metrics",
     "parse_clip",
     "token_loss",
     "windows",

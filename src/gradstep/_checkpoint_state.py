@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .distributed import is_initialized, world_size
+
 _TAG = "__gradstep__"
 _CHUNK = 1 << 20
 
@@ -33,26 +35,14 @@ class CheckpointError(ValueError):
 # --------------------------------------------------------------------------- distributed
 
 
-def dist_on() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def rank() -> int:
-    return dist.get_rank() if dist_on() else 0
-
-
-def world() -> int:
-    return dist.get_world_size() if dist_on() else 1
-
-
 def barrier() -> None:
-    if dist_on():
+    if is_initialized():
         dist.barrier()
 
 
 def from_rank0(value: Any) -> Any:
     """Rank 0's ``value`` on every rank (identity on one process)."""
-    if not dist_on():
+    if not is_initialized():
         return value
     box = [value]
     dist.broadcast_object_list(box, src=0)
@@ -61,9 +51,9 @@ def from_rank0(value: Any) -> Any:
 
 def uses_dcp(model: nn.Module | None) -> bool:
     """Several ranks, or sharded (DTensor) parameters: model and optimizer go through DCP."""
-    if not dist_on() or model is None:
+    if not is_initialized() or model is None:
         return False
-    if world() > 1:
+    if world_size() > 1:
         return True
     from torch.distributed.tensor import DTensor
 
@@ -380,7 +370,7 @@ def _dcp_load(payload: dict[str, Any], path: str) -> None:
     with warnings.catch_warnings():
         # Loading a multi-rank checkpoint into one process is what we mean to do here.
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load(payload, checkpoint_id=path, no_dist=not dist_on())
+        dcp.load(payload, checkpoint_id=path, no_dist=not is_initialized())
 
 
 def dcp_prepare(

@@ -63,6 +63,7 @@ import torch
 from torch import nn
 
 from . import _checkpoint_state as st
+from . import distributed as dist_env
 from ._checkpoint_state import CheckpointError
 
 __all__ = ["CheckpointError", "CheckpointInfo", "Checkpointer", "elastic_accum_steps"]
@@ -317,7 +318,7 @@ class Checkpointer:
         model, optimizer, others = _classify(stateful)
         final = self.directory / f"step-{step:06d}"
         tmp = self.directory / f".tmp-{final.name}"
-        rank = st.rank()
+        rank = dist_env.rank()
         if rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
             _recover(self.directory)
@@ -348,7 +349,7 @@ class Checkpointer:
         and where the other objects' tensors went."""
         objects: dict[str, Any] = {}
         object_tensors = None
-        main = st.rank() == 0
+        main = dist_env.rank() == 0
         if model is not None:
             (mname, module), optim = model, optimizer[1] if optimizer else None
             in_dcp = False
@@ -397,7 +398,7 @@ class Checkpointer:
     ) -> dict[str, Any]:
         from . import __version__
 
-        world, k, mbs = st.world(), self.accum_steps, self.micro_batch_size
+        world, k, mbs = dist_env.world_size(), self.accum_steps, self.micro_batch_size
         return {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
@@ -428,7 +429,7 @@ class Checkpointer:
         warning line and the next older one is tried. With several ranks this is collective:
         rank 0 verifies and every rank gets its choice.
         """
-        choice = self._newest_valid() if st.rank() == 0 else None
+        choice = self._newest_valid() if dist_env.rank() == 0 else None
         choice = st.from_rank0(choice)
         if choice is None:
             return None
@@ -468,7 +469,7 @@ class Checkpointer:
             raise CheckpointError("load needs the objects to restore, by the names used in save")
         if not isinstance(checkpoint, CheckpointInfo):
             path = Path(checkpoint)
-            manifest, problem = st.from_rank0(_verify(path) if st.rank() == 0 else None)
+            manifest, problem = st.from_rank0(_verify(path) if dist_env.rank() == 0 else None)
             if manifest is None:
                 raise CheckpointError(f"checkpoint {path} is unusable: {problem}")
             checkpoint = CheckpointInfo(int(manifest["step"]), path, manifest)
@@ -548,7 +549,7 @@ def _restore(info: CheckpointInfo, stateful: dict[str, Any], strict: bool, rng: 
     tensors = st.read_tensor_file(info.path / blob["file"], blob["aliases"]) if blob else {}
     states = {name: st.decode(entries[name]["state"], tensors) for name in others}
     load_tensors = _prepare_tensors(info, model, optimizer)
-    rng_file = st.rng_file(st.rank())
+    rng_file = st.rng_file(dist_env.rank())
     rng_state = None
     if rng and rng_file in info.manifest["files"]:
         rng_state = st.decode(json.loads((info.path / rng_file).read_bytes()), {})

@@ -44,6 +44,7 @@ __all__ = [
     "count_gradient_comms",
     "find_blocks",
     "init",
+    "is_initialized",
     "is_main",
     "launched_by_torchrun",
     "min_over_ranks",
@@ -138,18 +139,19 @@ def init(
     return DistEnv(dist.get_rank(), dist.get_world_size(), local, dev, chosen)
 
 
-def _initialized() -> bool:
+def is_initialized() -> bool:
+    """True when a process group exists."""
     return dist.is_available() and dist.is_initialized()
 
 
 def rank() -> int:
     """This process's global rank (0 without a process group)."""
-    return dist.get_rank() if _initialized() else 0
+    return dist.get_rank() if is_initialized() else 0
 
 
 def world_size() -> int:
     """Number of processes (1 without a process group)."""
-    return dist.get_world_size() if _initialized() else 1
+    return dist.get_world_size() if is_initialized() else 1
 
 
 def is_main() -> bool:
@@ -164,7 +166,7 @@ def shutdown(barrier: bool = True) -> None:
     in its last collective: gloo then sometimes aborts the slower process at exit. Pass
     ``barrier=False`` when leaving on an error: the other ranks may never reach it.
     """
-    if not _initialized():
+    if not is_initialized():
         return
     try:
         if barrier:
@@ -179,7 +181,7 @@ def min_over_ranks(n: int) -> int:
     For loops whose forward passes must line up across ranks (FSDP2 all-gathers in every
     forward): each rank runs only as many iterations as the rank with the fewest.
     """
-    if not _initialized() or dist.get_world_size() == 1:
+    if not is_initialized() or dist.get_world_size() == 1:
         return n
     t = torch.tensor([n], dtype=torch.int64)
     if dist.get_backend() == "nccl":
@@ -280,7 +282,7 @@ def prepare_model(
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}; got {precision!r}")
     if strategy == "none":
         return model
-    if not _initialized():
+    if not is_initialized():
         raise RuntimeError(
             f"prepare_model(strategy={strategy!r}) needs a process group: launch with "
             "`torchrun --nproc_per_node=N ...` and call gradstep.distributed.init() first"
