@@ -94,6 +94,8 @@ class _Window:
     loss_sum: float
     items: int
     micro_batches: int
+    raw_norm: float = math.nan
+    """Global norm of the summed (not yet normalised) gradient."""
 
 
 class Stepper:
@@ -173,19 +175,22 @@ class Stepper:
             micro_batches = list(micro_batches)
             self._strategy.check_window(len(micro_batches))
         try:
-            window = self._accumulate(micro_batches, loss_fn)
+            totals, n = self._accumulate(micro_batches, loss_fn)
+            self._precision.unscale(self.optimizer)
+            named_grads = self._precision.named_grads(self._named)
+            grads = [g for _, _, g in named_grads]
+            raw_norm = self._strategy.total_norm(grads, self._norm_type)
+            window = self._read_window(totals, raw_norm, n)
         except BaseException:
+            self._precision.skip(self.optimizer, overflow=False)
             self.optimizer.zero_grad(set_to_none=True)
             raise
         if window.items == 0:
             return self._skip(window, "empty window: 0 items (every label ignored)", math.nan)
-        self._precision.unscale(self.optimizer)
-        named_grads = self._precision.named_grads(self._named)
-        grads = [g for _, _, g in named_grads]
         # THE normalisation: undo the backend's average over ranks and divide the summed
         # losses' gradient by the true global item count, once.
         scale = self._strategy.grad_divisor / (window.items * self._loss_hint)
-        norm = float(self._strategy.total_norm(grads, self._norm_type)) * scale
+        norm = window.raw_norm * scale
         if not math.isfinite(norm):
             return self._skip(window, "non-finite gradient norm", norm, overflow=True)
         ctx = ClipContext(
@@ -213,7 +218,9 @@ class Stepper:
             loss_scale=self._precision.loss_scale, policies=detail,
         )  # fmt: skip
 
-    def _accumulate(self, micro_batches: Iterable[Any], loss_fn: LossFn) -> _Window:
+    def _accumulate(
+        self, micro_batches: Iterable[Any], loss_fn: LossFn
+    ) -> tuple[torch.Tensor, int]:
         """Forward and backward every micro-batch; sync gradients only on the last."""
         loss_sum: Any = 0.0
         items: Any = 0
@@ -235,7 +242,7 @@ class Stepper:
                 self._precision.backward(total)
         if n == 0:
             raise ValueError("micro_batches is empty: a window needs at least one micro-batch")
-        return self._window_totals(loss_sum, items, negative, n)
+        return self._reduce_totals(loss_sum, items, negative, n), n
 
     def _first_loss_hint(self, count: Any) -> float:
         """fp16's first window: 1 / mean item count of the first micro-batch over ranks."""
@@ -243,12 +250,13 @@ class Stepper:
         mean = float(self._strategy.all_reduce_sum(local)) / self.world_size
         return 1.0 / max(mean, 1.0)
 
-    def _window_totals(self, loss_sum: Any, items: Any, negative: Any, n: int) -> _Window:
-        """The one collective of the window: global loss sum and item count.
+    def _reduce_totals(self, loss_sum: Any, items: Any, negative: Any, n: int) -> torch.Tensor:
+        """The one collective of the window: global loss sum, item count and window checks.
 
-        It also checks that every rank ran as many micro-batches. Under DDP a mismatch
-        still pairs each rank's single gradient all-reduce, so it is caught here, after
-        the backward; strategies whose forward communicates check before the first one.
+        Issued after the last backward and read later, together with the norm, so the host
+        waits for the device once per step. Under DDP a window-length mismatch still pairs
+        each rank's single gradient all-reduce, so it is caught when read; strategies whose
+        forward communicates check before the first forward.
         """
         dev = loss_sum.device
         local = torch.stack(
@@ -257,13 +265,18 @@ class Stepper:
                 for v in (loss_sum, items, negative, float(n), float(n * n))
             ]
         )
-        loss, count, neg, n_sum, n2_sum = self._strategy.all_reduce_sum(local).tolist()
+        return self._strategy.all_reduce_sum(local)
+
+    def _read_window(self, totals: torch.Tensor, raw_norm: torch.Tensor, n: int) -> _Window:
+        """The step's one host sync: reduced totals and the un-normalised gradient norm."""
+        norm = raw_norm.reshape(1).to(totals.device, torch.float64)
+        loss, count, neg, n_sum, n2_sum, raw = torch.cat([totals, norm]).tolist()
         error = window_length_error(n, n_sum, n2_sum, self.world_size)
         if error is not None:
             raise error
         if neg > 0:
             raise ValueError("LossSum.count must be >= 0; loss_fn returned a negative count")
-        return _Window(loss_sum=loss, items=int(count), micro_batches=n)
+        return _Window(loss_sum=loss, items=int(count), micro_batches=n, raw_norm=raw)
 
     def _apply_policies(self, ctx: ClipContext) -> tuple:
         coef, threshold, acted = 1.0, None, False
