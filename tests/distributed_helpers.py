@@ -308,6 +308,7 @@ def _setup(
     dtype: torch.dtype = torch.float32,
     precision: str = "fp32",
     norm_type: float = 2.0,
+    value: float | None = None,
 ) -> tuple:
     import gradstep
     import gradstep.distributed as gd
@@ -316,6 +317,8 @@ def _setup(
     counter = gd.count_gradient_comms(model)
     opt = adamw(model.parameters())
     clip = gradstep.ClipNorm(max_norm, norm_type) if max_norm is not None else None
+    if value is not None:
+        clip = gradstep.ClipValue(value)
     stepper = gradstep.Stepper(
         model, opt, clip=clip, precision=precision, sync_each_micro_batch=sync_each
     )
@@ -332,10 +335,13 @@ def parity_run(
     dtype: torch.dtype,
     precision: str = "fp32",
     norm_type: float = 2.0,
+    value: float | None = None,
 ) -> dict[str, Any]:
     """``steps`` optimizer steps on this rank's share of ``data``; per step the stats,
     the full gradients after the step, gradient collectives and 5-scalar all-reduces."""
-    model, _, stepper, counter = _setup(strategy, max_norm, sync_each, dtype, precision, norm_type)
+    model, _, stepper, counter = _setup(
+        strategy, max_norm, sync_each, dtype, precision, norm_type, value
+    )
     per_step = []
     for step in range(steps):
         counter.reset()
@@ -414,6 +420,7 @@ K_FP32 = 5  # ... and in the float32 run: the communication counts must not depe
 STEPS = 3
 MAX_NORM = 0.5  # below every step's norm (0.54 - 0.60): the clip acts on every step
 MAX_NORM_INF = 0.05  # below the first step's largest |gradient| (0.098, in embed.weight)
+CLIP_VALUE = 0.05  # below the largest gradient entries of the first step, above most
 
 
 def data_fp64() -> list:
@@ -449,6 +456,7 @@ def scenarios(rank: int, world: int, strategy: str) -> dict[str, Any]:
             rank, d64, strategy, 1, MAX_NORM_INF, False, torch.float64, norm_type=math.inf
         ),
         "nan": nan_run(rank, d64, strategy, MAX_NORM),
+        "value": parity_run(rank, d64, strategy, 1, None, False, torch.float64, value=CLIP_VALUE),
     }
 
 

@@ -514,3 +514,10 @@ def test_cli_rejects_a_bad_clip_spec(capsys):
     assert main([*TINY_TRAIN, "--clip", "zclip:-1"]) == 2
     err = capsys.readouterr().err
     assert "clip" in err and "z_thresh" in err
+
+
+def test_agc_exclude_accepts_any_iterable_of_names():
+    names = ["head.weight", "head.bias"]
+    assert gradstep.AGC(exclude=(n for n in names)).exclude == frozenset(names)
+    with pytest.raises(TypeError, match="exclude"):
+        gradstep.AGC(exclude="head.weight")

@@ -149,6 +149,19 @@ def test_inf_norm_is_the_max_over_every_shard(runs: dict) -> None:
         assert h.rel_err(step["grads"], ref["grads"]) <= EXACT
 
 
+def test_clip_value_decides_on_the_global_max_on_every_rank(runs: dict) -> None:
+    """Each rank holds different shards; all must agree to clamp (no rank left waiting)."""
+    ref = h.reference_run(h.data_fp64(), None, 1)[0]
+    want = {n: g.clamp(-h.CLIP_VALUE, h.CLIP_VALUE) for n, g in ref["grads"].items()}
+    assert max(float(g.abs().max()) for g in ref["grads"].values()) > h.CLIP_VALUE
+    for res in runs["ranks"]:
+        step = res["value"]["steps"][0]
+        assert step["stats"].clipped and step["stats"].clip_threshold == h.CLIP_VALUE
+        assert h.rel_err(step["grads"], want) <= EXACT
+    a, b = (res["value"]["steps"][0]["stats"] for res in runs["ranks"])
+    assert a.post_clip_norm == b.post_clip_norm and a.clip_coef == b.clip_coef
+
+
 def test_sync_each_micro_batch_reduces_k_times_and_stays_exact(
     runs: dict, ref64: list[dict]
 ) -> None:

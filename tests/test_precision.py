@@ -184,3 +184,75 @@ def test_bad_precision_arguments():
     half = TinyLM().half()
     with pytest.raises(ValueError, match="fp16.*float32 parameters"):
         gradstep.Stepper(half, torch.optim.SGD(half.parameters(), lr=0.1), precision="fp16")
+
+
+@pytest.mark.parametrize("case", ["bf16 params", "mixed params", "float64 buffers"])
+def test_fp16_refuses_gradients_the_scaler_cannot_unscale(case):
+    """GradScaler unscales param.grad only: buffered gradients would stay scaled."""
+    model = TinyLM()
+    accum = None
+    if case == "bf16 params":
+        model = model.bfloat16()
+    elif case == "mixed params":
+        model.head.bfloat16()
+    else:
+        accum = torch.float64
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="fp16.*accum_dtype"):
+        gradstep.Stepper(model, opt, precision="fp16", accum_dtype=accum)
+
+
+def test_accumulation_hooks_live_only_inside_step():
+    """A second Stepper, or a plain backward, on the same bf16 model is not hijacked."""
+    model = nn.Linear(4, 3).to(torch.bfloat16)
+    x = torch.randn(2, 4).bfloat16()
+
+    def fn(m, mb):
+        return gradstep.LossSum(m(mb).float().sum(), mb.shape[0])
+
+    first = gradstep.Stepper(model, torch.optim.SGD(model.parameters(), lr=0.0), clip=None)
+    first.step([x], fn)
+    second = gradstep.Stepper(model, torch.optim.SGD(model.parameters(), lr=0.0), clip=None)
+    second.step([x, x], fn)
+    expected = 2 * torch.ones(2, 3).T @ x.float() / 4  # two micro-batches, 4 items
+    torch.testing.assert_close(model.weight.grad.float(), expected, rtol=1e-2, atol=1e-2)
+    model.zero_grad(set_to_none=True)
+    model(x).float().sum().backward()
+    assert model.weight.grad is not None  # a plain backward still fills .grad
+
+
+def test_fp16_step_that_raises_after_unscale_leaves_a_usable_stepper():
+    torch.manual_seed(0)
+    model = TinyLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    stepper = gradstep.Stepper(model, opt, precision="fp16", clip=gradstep.AGC(exclude=["nope"]))
+    mbs, _ = make_window(WINDOW, seed=3)
+    before = snapshot(model, opt)
+    scale = stepper._precision.scaler.get_scale()
+    with pytest.raises(ValueError, match="nope"):
+        stepper.step(mbs, loss_fn)  # AGC checks exclude names after the unscale
+    assert_bitwise_equal(snapshot(model, opt), before)
+    assert stepper._precision.scaler.get_scale() == scale
+    stepper.clip = [gradstep.ClipNorm(1.0)]
+    while stepper.step(mbs, loss_fn).skipped:  # the initial 2^16 scale may overflow
+        pass
+    assert stepper.step_count == 1
+
+
+def test_fp16_policy_skip_does_not_count_towards_scale_growth():
+    torch.manual_seed(0)
+    model = TinyLM()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    always = gradstep.ClipResult(skip="test: always skip", acted=True)
+
+    class SkipAll:
+        def clip(self, ctx):
+            return always
+
+    stepper = gradstep.Stepper(model, opt, precision="fp16", clip=SkipAll())
+    mbs, _ = make_window(WINDOW, seed=3)
+    tracker = stepper._precision.scaler._get_growth_tracker
+    for _ in range(3):
+        stats = stepper.step(mbs, loss_fn)
+        assert stats.skipped and stats.skip_reason == "test: always skip"
+    assert stepper._precision.scaler.get_scale() == 2.0**16 and tracker() == 0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import math
 
 import pytest
 import torch
@@ -176,10 +175,12 @@ def test_zero_item_micro_batches_are_fine_and_empty_window_skips():
 def test_step_stats_fields():
     model = TinyLM()
     stepper = gradstep.Stepper(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    mbs, _ = make_window([[5, 2], [3]], seed=1)
+    mbs, seqs = make_window([[5, 2], [3]], seed=1)
+    ref, ref_loss = reference_grads(model, seqs)
     stats = stepper.step(mbs, loss_fn)
-    for name in ("loss", "items", "micro_batches", "grad_norm", "clip_coef", "clipped",
-                 "skipped", "lr", "step"):  # fmt: skip
-        assert hasattr(stats, name)
-    assert stats.step == 1 and not stats.skipped and stats.clip_coef <= 1.0
-    assert stats.lr == 0.1 and math.isfinite(stats.grad_norm)
+    assert stats.items == sum(int((y != -100).sum()) for _, y in seqs)
+    assert stats.micro_batches == 2 and stats.step == 1 and not stats.skipped
+    assert stats.loss == pytest.approx(ref_loss, rel=1e-6)
+    assert stats.grad_norm == pytest.approx(float(torch.nn.utils.get_total_norm(ref)), rel=1e-6)
+    assert 0 < stats.clip_coef <= 1.0 and stats.clipped == (stats.clip_coef < 1.0)
+    assert stats.lr == 0.1 and stats.skip_reason is None and stats.clip_threshold == 1.0

@@ -177,6 +177,7 @@ class AGC:
     def __init__(self, clipping: float = 0.01, eps: float = 1e-3, exclude: Iterable[str] = ()):
         self.clipping = _check_positive("clipping", clipping, "AGC")
         self.eps = _check_positive("eps", eps, "AGC")
+        exclude = exclude if isinstance(exclude, str) else list(exclude)  # a generator once
         if isinstance(exclude, str) or not all(isinstance(n, str) for n in exclude):
             raise TypeError(
                 f"AGC: exclude must be a list of parameter names (str), got {exclude!r}"

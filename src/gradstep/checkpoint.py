@@ -195,8 +195,10 @@ def _step_dirs(directory: Path) -> list[tuple[int, Path]]:
 def _prune(directory: Path, keep: int) -> None:
     """Drop all but the ``keep`` newest: rename away (atomic), fsync, then delete."""
     trash = []
-    for _, path in _step_dirs(directory)[keep:]:
-        target = path.with_name(f".trash-{path.name}")
+    for n, path in _step_dirs(directory)[keep:]:
+        # Named by step (not by folder: a ``.replaced-`` folder would not match _LEFTOVER),
+        # so a kill during the delete leaves something the next save cleans up.
+        target = directory / f".trash-step-{n:06d}"
         shutil.rmtree(target, ignore_errors=True)
         os.rename(path, target)
         trash.append(target)

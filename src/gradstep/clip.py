@@ -174,11 +174,9 @@ class ClipValue:
 
     def clip(self, ctx: ClipContext) -> ClipResult:
         grads = ctx.grads()
-        if not grads:
-            return ClipResult(threshold=self.value)
-        # One fused pass to find whether anything exceeds, so an untouched gradient is
-        # reported as not clipped.
-        peak = float(torch.stack(torch._foreach_norm(grads, math.inf)).max())
+        # The global max |g| (every rank and shard must agree whether to act), so an
+        # untouched gradient is reported as not clipped.
+        peak = ctx.total_norm(math.inf)
         if peak <= self.value:
             return ClipResult(threshold=self.value)
         torch._foreach_clamp_min_(grads, -self.value)

@@ -12,7 +12,7 @@ Three separate concerns, each small:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -26,7 +26,9 @@ class GradAccumulator:
 
     A post-accumulate-grad hook moves each micro-batch's gradient into the buffer and
     frees ``param.grad`` at once, so at most one low-precision gradient per parameter is
-    alive. The buffers are kept between steps (no re-allocation).
+    alive. The hooks exist only inside :meth:`window` (a backward outside ``Stepper.step``,
+    or another Stepper on the same model, is left alone). The buffers are kept between
+    steps (no re-allocation).
     """
 
     def __init__(self, params: Sequence[nn.Parameter], dtype: torch.dtype) -> None:
@@ -34,7 +36,17 @@ class GradAccumulator:
         self.params = [p for p in params if p.dtype != dtype]
         self._buffers: dict[int, torch.Tensor] = {}
         self._written: set[int] = set()
-        self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
+
+    @contextlib.contextmanager
+    def window(self) -> Iterator[None]:
+        """Route this window's backward passes into the buffers."""
+        self._written.clear()
+        handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
 
     def _hook(self, p: torch.Tensor) -> None:
         key = id(p)
@@ -48,9 +60,6 @@ class GradAccumulator:
             self._written.add(key)
         p.grad = None
 
-    def start(self) -> None:
-        self._written.clear()
-
     def grad(self, p: torch.Tensor) -> torch.Tensor | None:
         """The accumulated gradient of ``p`` this window, or None."""
         return self._buffers[id(p)] if id(p) in self._written else None
@@ -60,10 +69,6 @@ class GradAccumulator:
         for p in self.params:
             if id(p) in self._written:
                 p.grad = self._buffers[id(p)].to(p.dtype)
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
 
 
 class Precision:
@@ -104,6 +109,14 @@ class Precision:
                     "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32)"
                 )
             self.accumulator = GradAccumulator(params, accum_dtype)
+        if precision == "fp16" and self.accumulator is not None:
+            # GradScaler unscales only ``param.grad``; scaled gradients in buffers would
+            # reach the optimizer multiplied by the loss scale.
+            raise ValueError(
+                "precision='fp16' needs float32 parameters and accum_dtype None or float32 "
+                "(GradScaler unscales param.grad only); use precision='bf16' for bf16 "
+                "parameters"
+            )
         self.scaler = torch.amp.GradScaler(self.device_type) if precision == "fp16" else None
         self._unscaled = False
 
@@ -114,8 +127,12 @@ class Precision:
 
     def start_window(self) -> None:
         self._unscaled = False
-        if self.accumulator is not None:
-            self.accumulator.start()
+
+    def accumulating(self) -> contextlib.AbstractContextManager[None]:
+        """Context for the window's backward passes (fp32 buffers when configured)."""
+        if self.accumulator is None:
+            return contextlib.nullcontext()
+        return self.accumulator.window()
 
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
@@ -146,16 +163,25 @@ class Precision:
         self._unscaled = False
 
     def skip(self, optimizer: torch.optim.Optimizer, overflow: bool) -> None:
-        """Close an fp16 step that will not be taken; back the scale off on overflow."""
+        """Close an fp16 step that will not be taken.
+
+        On overflow the scale backs off. Any other skip (empty window, a spike guard, an
+        error) leaves the scale and its growth counter as they were: that step was not a
+        step at all.
+        """
         if self.scaler is not None and self._unscaled:
+            states = self.scaler._per_optimizer_states
             if overflow:
                 # The skip decision is global (the norm is reduced over every rank and
                 # shard) while GradScaler's found_inf is local to this rank's shard:
                 # make the scaler agree, so every rank backs off the same way.
-                state = self.scaler._per_optimizer_states[id(optimizer)]
-                for found_inf in state["found_inf_per_device"].values():
+                for found_inf in states[id(optimizer)]["found_inf_per_device"].values():
                     found_inf.fill_(1.0)
-            self.scaler.update()
+                self.scaler.update()
+            else:
+                # Forget this step's unscale (the per-optimizer state is a defaultdict
+                # that starts fresh), without counting it towards the scale's growth.
+                states.pop(id(optimizer), None)
         self._unscaled = False
 
     @property

@@ -166,8 +166,6 @@ class Stepper:
                 "micro_batches must be an iterable of micro-batches forming one window; "
                 "wrap a single batch in a list: stepper.step([batch], loss_fn)"
             )
-        self.optimizer.zero_grad(set_to_none=True)
-        self._precision.start_window()
         if self._strategy.forward_communicates:
             # FSDP2's forward all-gathers parameters: a rank with one micro-batch more
             # would pair those all-gathers with the other ranks' reductions and hang, so
@@ -175,16 +173,23 @@ class Stepper:
             micro_batches = list(micro_batches)
             self._strategy.check_window(len(micro_batches))
         try:
-            totals, n = self._accumulate(micro_batches, loss_fn)
-            self._precision.unscale(self.optimizer)
-            named_grads = self._precision.named_grads(self._named)
-            grads = [g for _, _, g in named_grads]
-            raw_norm = self._strategy.total_norm(grads, self._norm_type)
-            window = self._read_window(totals, raw_norm, n)
+            return self._step(micro_batches, loss_fn)
         except BaseException:
+            # A failed step leaves nothing behind: no gradients, no half-done fp16 unscale.
             self._precision.skip(self.optimizer, overflow=False)
             self.optimizer.zero_grad(set_to_none=True)
             raise
+
+    def _step(self, micro_batches: Iterable[Any], loss_fn: LossFn) -> StepStats:
+        """zero -> accumulate -> unscale -> norm -> normalise -> finite -> clip -> step."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self._precision.start_window()
+        totals, n = self._accumulate(micro_batches, loss_fn)
+        self._precision.unscale(self.optimizer)
+        named_grads = self._precision.named_grads(self._named)
+        grads = [g for _, _, g in named_grads]
+        raw_norm = self._strategy.total_norm(grads, self._norm_type)
+        window = self._read_window(totals, raw_norm, n)
         if window.items == 0:
             return self._skip(window, "empty window: 0 items (every label ignored)", math.nan)
         # THE normalisation: undo the backend's average over ranks and divide the summed
@@ -226,20 +231,21 @@ class Stepper:
         items: Any = 0
         negative: Any = 0
         n = 0
-        for n, (is_last, mb) in enumerate(_mark_last(micro_batches), start=1):  # noqa: B007
-            with self._strategy.sync(is_last or self.sync_each_micro_batch):
-                with self._precision.autocast():
-                    total, count = check_loss_sum(loss_fn(self.model, mb))
-                # Kept on the loss's device: no host sync until the window's end.
-                loss_sum = loss_sum + total.detach().to(torch.float64)
-                items = items + count
-                if isinstance(count, torch.Tensor):
-                    negative = negative + (count < 0)
-                if self._loss_hint is None:
-                    self._loss_hint = self._first_loss_hint(count)
-                if self._loss_hint != 1.0:
-                    total = total * self._loss_hint
-                self._precision.backward(total)
+        with self._precision.accumulating():
+            for n, (is_last, mb) in enumerate(_mark_last(micro_batches), start=1):  # noqa: B007
+                with self._strategy.sync(is_last or self.sync_each_micro_batch):
+                    with self._precision.autocast():
+                        total, count = check_loss_sum(loss_fn(self.model, mb))
+                    # Kept on the loss's device: no host sync until the window's end.
+                    loss_sum = loss_sum + total.detach().to(torch.float64)
+                    items = items + count
+                    if isinstance(count, torch.Tensor):
+                        negative = negative + (count < 0)
+                    if self._loss_hint is None:
+                        self._loss_hint = self._first_loss_hint(count)
+                    if self._loss_hint != 1.0:
+                        total = total * self._loss_hint
+                    self._precision.backward(total)
         if n == 0:
             raise ValueError("micro_batches is empty: a window needs at least one micro-batch")
         return self._reduce_totals(loss_sum, items, negative, n), n
