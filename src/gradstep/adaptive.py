@@ -27,36 +27,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from .clip import ClipContext, ClipPolicy, ClipResult, _check_positive, parse_clip
+from ._validate import check_choice, check_int, check_interval, check_positive
+from .clip import ClipContext, ClipPolicy, ClipResult, parse_clip
 
 __all__ = ["AGC", "AutoClip", "SpikeGuard", "ZClip", "clip_policies", "find_output_layer"]
 
 ZCLIP_MODES = ("zscore", "mean", "percentile")
 SPIKE_SIGNALS = ("grad_norm", "loss", "both")
-
-
-def _check_int(name: str, value: int, owner: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{owner}: {name} must be an int >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{owner}: {name} must be an int >= {minimum}, got {value!r}")
-    return value
-
-
-def _check_interval(name: str, value: float, owner: str, high: float, closed: bool) -> float:
-    """A number in (0, high) or, with ``closed``, in (0, high]."""
-    shown = f"(0, {high:g}{']' if closed else ')'}"
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{owner}: {name} must be a number in {shown}, got {value!r}")
-    if not (0 < value < high or (closed and value == high)):
-        raise ValueError(f"{owner}: {name} must be in {shown}, got {value!r}")
-    return float(value)
-
-
-def _check_choice(name: str, value: str, allowed: tuple[str, ...], owner: str) -> str:
-    if value not in allowed:
-        raise ValueError(f"{owner}: {name} must be one of {', '.join(allowed)}; got {value!r}")
-    return value
 
 
 def _scale_to(norm: float, threshold: float | None) -> ClipResult:
@@ -175,8 +152,8 @@ class AGC:
     """
 
     def __init__(self, clipping: float = 0.01, eps: float = 1e-3, exclude: Iterable[str] = ()):
-        self.clipping = _check_positive("clipping", clipping, "AGC")
-        self.eps = _check_positive("eps", eps, "AGC")
+        self.clipping = check_positive("clipping", clipping, "AGC")
+        self.eps = check_positive("eps", eps, "AGC")
         exclude = exclude if isinstance(exclude, str) else list(exclude)  # a generator once
         if isinstance(exclude, str) or not all(isinstance(n, str) for n in exclude):
             raise TypeError(
@@ -246,15 +223,15 @@ class AutoClip:
     """
 
     def __init__(self, percentile: float = 10.0, history: int = 1000) -> None:
-        self.percentile = _check_interval("percentile", percentile, "AutoClip", 100, True)
-        self.history = _check_int("history", history, "AutoClip", 1)
+        self.percentile = check_interval("percentile", percentile, 100, True, "AutoClip")
+        self.history = check_int("history", history, 1, "AutoClip")
         self._norms: deque[float] = deque(maxlen=self.history)
 
     def __repr__(self) -> str:
         return f"AutoClip(percentile={self.percentile}, history={self.history})"
 
     def clip(self, ctx: ClipContext) -> ClipResult:
-        norm = float(ctx.norm)
+        norm = ctx.total_norm(2.0)  # the papers use the L2 norm, whatever ClipNorm uses
         threshold = (
             float(np.percentile(np.fromiter(self._norms, np.float64), self.percentile))
             if self._norms
@@ -301,14 +278,14 @@ class ZClip:
         mode: str = "zscore",
         max_grad_norm: float | None = None,
     ) -> None:
-        self.alpha = _check_interval("alpha", alpha, "ZClip", 1, False)
-        self.z_thresh = _check_positive("z_thresh", z_thresh, "ZClip")
-        self.warmup_steps = _check_int("warmup_steps", warmup_steps, "ZClip", 1)
-        self.mode = _check_choice("mode", mode, ZCLIP_MODES, "ZClip")
+        self.alpha = check_interval("alpha", alpha, 1, False, "ZClip")
+        self.z_thresh = check_positive("z_thresh", z_thresh, "ZClip")
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, 1, "ZClip")
+        self.mode = check_choice("mode", mode, ZCLIP_MODES, "ZClip")
         self.max_grad_norm = (
             None
             if max_grad_norm is None
-            else _check_positive("max_grad_norm", max_grad_norm, "ZClip")
+            else check_positive("max_grad_norm", max_grad_norm, "ZClip")
         )
         self._warmup: list[float] = []
         self.mean: float | None = None
@@ -322,7 +299,7 @@ class ZClip:
         )
 
     def clip(self, ctx: ClipContext) -> ClipResult:
-        g = float(ctx.norm)
+        g = ctx.total_norm(2.0)
         if self.mean is None or self.var is None:
             self._warmup.append(g)
             if len(self._warmup) >= self.warmup_steps:
@@ -388,14 +365,14 @@ class SpikeGuard:
     def __init__(
         self, sigma: float = 6.0, window: int = 128, min_steps: int = 64, on: str = "grad_norm"
     ) -> None:
-        self.sigma = _check_positive("sigma", sigma, "SpikeGuard")
-        self.window = _check_int("window", window, "SpikeGuard", 2)
-        self.min_steps = _check_int("min_steps", min_steps, "SpikeGuard", 2)
+        self.sigma = check_positive("sigma", sigma, "SpikeGuard")
+        self.window = check_int("window", window, 2, "SpikeGuard")
+        self.min_steps = check_int("min_steps", min_steps, 2, "SpikeGuard")
         if self.min_steps > self.window:
             raise ValueError(
                 f"SpikeGuard: min_steps must be <= window ({self.window}), got {min_steps!r}"
             )
-        self.on = _check_choice("on", on, SPIKE_SIGNALS, "SpikeGuard")
+        self.on = check_choice("on", on, SPIKE_SIGNALS, "SpikeGuard")
         self._history: dict[str, deque[float]] = {
             key: deque(maxlen=self.window) for key in ("grad_norm", "loss")
         }
@@ -409,7 +386,7 @@ class SpikeGuard:
 
     def clip(self, ctx: ClipContext) -> ClipResult:
         signals = ("grad_norm", "loss") if self.on == "both" else (self.on,)
-        values = {"grad_norm": float(ctx.norm), "loss": float(ctx.loss)}
+        values = {"grad_norm": ctx.total_norm(2.0), "loss": float(ctx.loss)}
         spikes, threshold = [], None
         for key in signals:
             limit = self._limit(self._history[key])

@@ -65,6 +65,7 @@ from torch import nn
 from . import _checkpoint_state as st
 from . import distributed as dist_env
 from ._checkpoint_state import CheckpointError
+from ._validate import check_int
 
 __all__ = ["CheckpointError", "CheckpointInfo", "Checkpointer", "elastic_accum_steps"]
 
@@ -263,12 +264,6 @@ def _classify(stateful: dict[str, Any]) -> tuple[tuple | None, tuple | None, dic
     return (modules[0] if modules else None), (optims[0] if optims else None), others
 
 
-def _check_int(name: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise CheckpointError(f"{name} must be an int >= {low}, got {value!r}")
-    return value
-
-
 class Checkpointer:
     """Atomic, verified, elastic checkpoints in ``directory`` (one ``step-N`` folder each).
 
@@ -296,14 +291,16 @@ class Checkpointer:
         rng: bool = True,
     ) -> None:
         self.directory = Path(directory)
-        self.keep = _check_int("keep", keep, 1)
+        self.keep = check_int("keep", keep, 1, error=CheckpointError)
         self.accum_steps = (
-            None if accum_steps is None else _check_int("accum_steps", accum_steps, 1)
+            None
+            if accum_steps is None
+            else check_int("accum_steps", accum_steps, 1, error=CheckpointError)
         )
         self.micro_batch_size = (
             None
             if micro_batch_size is None
-            else _check_int("micro_batch_size", micro_batch_size, 1)
+            else check_int("micro_batch_size", micro_batch_size, 1, error=CheckpointError)
         )
         self.rng = bool(rng)
 
@@ -314,7 +311,7 @@ class Checkpointer:
 
     def save(self, step: int, **stateful: Any) -> Path:
         """Write a checkpoint of ``stateful`` for ``step``; return its folder."""
-        _check_int("step", step, 0)
+        check_int("step", step, 0, error=CheckpointError)
         if not stateful:
             raise CheckpointError("save(step, **stateful) needs at least one object to save")
         model, optimizer, others = _classify(stateful)

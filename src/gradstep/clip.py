@@ -17,6 +17,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from ._validate import check_positive
+
 
 @dataclass
 class ClipResult:
@@ -127,14 +129,6 @@ class ClipPolicy(Protocol):
     def clip(self, ctx: ClipContext) -> ClipResult: ...
 
 
-def _check_positive(name: str, value: float, owner: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{owner}: {name} must be a positive number, got {value!r}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{owner}: {name} must be a finite number > 0, got {value!r}")
-    return float(value)
-
-
 def _check_norm_type(norm_type: float, owner: str) -> float:
     if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)):
         raise TypeError(f"{owner}: norm_type must be a number >= 1 or inf, got {norm_type!r}")
@@ -151,7 +145,7 @@ class ClipNorm:
     """
 
     def __init__(self, max_norm: float = 1.0, norm_type: float = 2.0) -> None:
-        self.max_norm = _check_positive("max_norm", max_norm, "ClipNorm")
+        self.max_norm = check_positive("max_norm", max_norm, "ClipNorm")
         self.norm_type = _check_norm_type(norm_type, "ClipNorm")
 
     def __repr__(self) -> str:
@@ -167,7 +161,7 @@ class ClipValue:
     """Clamp every gradient element to [-value, value] (after normalisation and unscale)."""
 
     def __init__(self, value: float) -> None:
-        self.value = _check_positive("value", value, "ClipValue")
+        self.value = check_positive("value", value, "ClipValue")
 
     def __repr__(self) -> str:
         return f"ClipValue(value={self.value})"

@@ -17,7 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ._validate import check_choice
 from .clip import parse_clip
+from .distributed import STRATEGIES
+from .precision import PRECISIONS as _PRECISION_DTYPES
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -34,8 +37,7 @@ __all__ = [
     "resolve",
 ]
 
-PRECISIONS = ("fp32", "bf16", "fp16")
-STRATEGIES = ("none", "ddp", "fsdp")
+PRECISIONS = tuple(_PRECISION_DTYPES)
 DEVICES = ("auto", "cpu", "cuda", "mps")
 RESUME_AUTO = "auto"  # bare `--resume`: the run folder's checkpoints/
 
@@ -128,8 +130,8 @@ class TrainConfig:
             raise ConfigError(f"min_lr must be in [0, lr={self.lr}], got {self.min_lr}")
         if self.weight_decay < 0:
             raise ConfigError(f"weight_decay must be >= 0, got {self.weight_decay}")
-        _check_choice("precision", self.precision, PRECISIONS)
-        _check_choice("strategy", self.strategy, STRATEGIES)
+        check_choice("precision", self.precision, PRECISIONS, error=ConfigError)
+        check_choice("strategy", self.strategy, STRATEGIES, error=ConfigError)
         if self.device.split(":")[0] not in DEVICES or self.device.count(":") > 1:
             raise ConfigError(
                 f"device must be one of {', '.join(DEVICES)} or cuda:N, got {self.device!r}"
@@ -141,11 +143,6 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
 
 
 @functools.cache
