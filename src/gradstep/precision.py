@@ -125,9 +125,6 @@ class Precision:
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=self.dtype)
 
-    def start_window(self) -> None:
-        self._unscaled = False
-
     def accumulating(self) -> contextlib.AbstractContextManager[None]:
         """Context for the window's backward passes (fp32 buffers when configured)."""
         if self.accumulator is None:

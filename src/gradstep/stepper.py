@@ -183,7 +183,6 @@ class Stepper:
     def _step(self, micro_batches: Iterable[Any], loss_fn: LossFn) -> StepStats:
         """zero -> accumulate -> unscale -> norm -> normalise -> finite -> clip -> step."""
         self.optimizer.zero_grad(set_to_none=True)
-        self._precision.start_window()
         totals, n = self._accumulate(micro_batches, loss_fn)
         self._precision.unscale(self.optimizer)
         named_grads = self._precision.named_grads(self._named)
