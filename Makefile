@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.gradstep-installed
 
-.PHONY: venv train test lint bench clean
+.PHONY: venv train test test-gpu lint bench clean
 
 # OpenMP threads that busy-wait for each other slow torch 10-20x on a small shared machine
 # (2 cores, tests running 2 ranks): let idle threads sleep.
@@ -24,6 +24,10 @@ train: venv
 
 test: venv
 	$(PY) -m pytest -q
+
+# The GPU smoke suite (tests marked cuda; all skipped without CUDA, NCCL ones need 2 GPUs).
+test-gpu: venv
+	$(PY) -m pytest -q -m cuda tests/gpu
 
 lint: venv
 	$(PY) -m ruff check src tests bench examples

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from gradstep.data import IGNORE_INDEX, collate
+from gradstep_demo.data import IGNORE_INDEX, collate
 
 Batch = dict[str, torch.Tensor]
 

@@ -24,7 +24,7 @@ import torch
 
 import gradstep
 from gradstep.checkpoint import Checkpointer
-from gradstep.model import GPT, GPTConfig
+from gradstep_demo.model import GPT, GPTConfig
 
 
 def _setup(d_model: int, n_layer: int) -> dict:

@@ -8,9 +8,9 @@ model and one Stepper alternate step by step between ``sync_each_micro_batch=Fal
 (a: the default, one gradient reduction per step) and ``True`` (b: one per micro-batch),
 order alternating, so load on a shared machine hits both alike. Printed per strategy:
 gradient collectives and bytes per optimizer step (counted by
-``gradstep.distributed.count_gradient_comms``: a DDP comm hook / an FSDP2 reduce-scatter,
-input buffer sizes), and rank 0's median per-step wall time ratio b / a with IQR and a
-bootstrap 95% interval. Never asserts on time.
+``gradstep.parallel.instrumentation.count_gradient_comms``: a DDP comm hook / an FSDP2
+reduce-scatter, input buffer sizes), and rank 0's median per-step wall time ratio b / a
+with IQR and a bootstrap 95% interval. Never asserts on time.
 
     .venv/bin/python bench/distributed.py            # ~2-4 min on 2 shared CPU cores
     .venv/bin/python bench/distributed.py --pairs 3 --seq-len 64   # quicker
@@ -30,9 +30,10 @@ import torch
 import torch.multiprocessing as mp
 
 import gradstep
-import gradstep.distributed as gd
+import gradstep.parallel as gd
 from _common import interleaved_times, lm_window, machine_info, random_rows, ratio_stats
-from gradstep.model import GPT, GPTConfig
+from gradstep.parallel.instrumentation import count_gradient_comms
+from gradstep_demo.model import GPT, GPTConfig
 
 WORLD = 2
 
@@ -55,7 +56,7 @@ def _bench_strategy(strategy: str, cfg: BenchConfig, rank: int) -> dict:
     """One model, one Stepper; steps alternate between sync-last (a) and sync-each (b)."""
     torch.manual_seed(cfg.seed)
     model = gd.prepare_model(GPT(GPTConfig(max_seq_len=cfg.seq_len)), strategy)
-    counter = gd.count_gradient_comms(model)
+    counter = count_gradient_comms(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     stepper = gradstep.Stepper(model, opt, clip=gradstep.ClipNorm(1.0))
     comms: dict[bool, tuple[int, int]] = {}

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradstep
-from gradstep.model import GPT, GPTConfig
+from gradstep_demo.model import GPT, GPTConfig
 
 VOCAB = 256
 

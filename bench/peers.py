@@ -67,8 +67,8 @@ from _common import (
     ratio_stats,
     run_in_subprocess,
 )
-from gradstep.data import IGNORE_INDEX, PAD_ID, TrainBatches, load_corpus
-from gradstep.model import GPT, GPTConfig
+from gradstep_demo.data import IGNORE_INDEX, PAD_ID, TrainBatches, load_corpus
+from gradstep_demo.model import GPT, GPTConfig
 
 METHODS = ("plain", "gradstep", "accelerate", "fabric")
 DATA = ("text", "random")

@@ -40,11 +40,11 @@ import torch
 from torch import nn
 
 import gradstep
-from gradstep.adaptive import AutoClip, SpikeGuard, ZClip
-from gradstep.config import TrainConfig
-from gradstep.data import Batch, TrainBatches, load_corpus, validation_batches
-from gradstep.model import GPT, GPTConfig
-from gradstep.train import WarmupCosine, build_optimizer, evaluate
+from gradstep.policies import AutoClip, SpikeGuard, ZClip
+from gradstep_demo.config import TrainConfig
+from gradstep_demo.data import Batch, TrainBatches, load_corpus, validation_batches
+from gradstep_demo.model import GPT, GPTConfig
+from gradstep_demo.train import WarmupCosine, build_optimizer, evaluate
 
 ROOT = Path(__file__).resolve().parent.parent
 SPIKE_RATIO = 1.5  # a loss spike: loss > 1.5x the rolling median

@@ -49,8 +49,8 @@ from _common import (
     ratio_stats,
     run_in_subprocess,
 )
-from gradstep.data import IGNORE_INDEX
-from gradstep.model import GPT, GPTConfig
+from gradstep_demo.data import IGNORE_INDEX
+from gradstep_demo.model import GPT, GPTConfig
 
 TARGET_RATIO = 1.03
 # Same-math check: fp64 agreement (gradient, loss, norm, parameters) and fp32 gradient.

@@ -3,7 +3,7 @@
 The scalar model's gradient IS a chosen number (loss = w * g, loss value = the offset), so
 a step's global norm is g and, with SGD(lr=1), the clipped gradient is the parameter change.
 The references compute the papers' formulas the plain way, in float64, with ``statistics``,
-sorted lists and explicit per-row loops, independently of gradstep.adaptive.
+sorted lists and explicit per-row loops, independently of gradstep.policies.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from torch import nn
 
 import gradstep
 from gradstep import LossSum, Stepper
-from gradstep.adaptive import AGC, SpikeGuard, ZClip
+from gradstep.policies import AGC, SpikeGuard, ZClip
 
 
 class Scalar(nn.Module):

@@ -15,9 +15,9 @@ import numpy as np
 import torch
 
 import gradstep
-from gradstep.data import Document, TrainBatches
-from gradstep.model import GPT, GPTConfig
-from gradstep.train import LMLoss, WarmupCosine
+from gradstep_demo.data import Document, TrainBatches
+from gradstep_demo.model import GPT, GPTConfig
+from gradstep_demo.train import LMLoss, WarmupCosine
 
 SEQ = 16
 MICRO = 2
@@ -47,7 +47,7 @@ def build(
     **model_overrides: Any,
 ) -> dict[str, Any]:
     """Fresh objects of a run; the same initial weights every time (fixed seed)."""
-    import gradstep.distributed as gd
+    import gradstep.parallel as gd
 
     torch.manual_seed(1234)
     model = gd.prepare_model(GPT(model_config(**model_overrides)), strategy)

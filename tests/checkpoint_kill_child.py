@@ -23,10 +23,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import safetensors.torch
 import torch
 
 import gradstep.checkpoint as ckpt
-from gradstep import _checkpoint_state as st
+from gradstep.checkpoint import layout
 
 KEEP = 2
 
@@ -76,12 +77,12 @@ def half_delete_and_die(path: Any, **_: Any) -> None:
 
 def install(point: str) -> None:
     if point == "mid_tensor_file":  # model.safetensors half written
-        wrap(st.safetensors.torch, "save_file", after=lambda tensors, path: truncate_and_die(path))
+        wrap(safetensors.torch, "save_file", after=lambda tensors, path: truncate_and_die(path))
     elif point == "before_manifest":  # every tensor file done, no manifest
-        wrap(ckpt, "_write_manifest", before=lambda *a: die())
+        wrap(layout, "_write_manifest", before=lambda *a: die())
     elif point == "mid_manifest":  # manifest.json half written
         wrap(
-            st,
+            layout,
             "write_bytes",
             after=lambda path, data: truncate_and_die(path) if path.name == ckpt.MANIFEST else None,
         )
@@ -92,7 +93,7 @@ def install(point: str) -> None:
             before=lambda src, dst: die() if Path(src).name.startswith(".tmp") else None,
         )
     elif point == "before_prune":  # published, the oldest not yet pruned
-        wrap(ckpt, "_prune", before=lambda *a: die())
+        wrap(layout, "_prune", before=lambda *a: die())
     elif point == "mid_prune":  # the oldest renamed away, half deleted
         wrap(shutil, "rmtree", before=half_delete_and_die)
     else:

@@ -1,7 +1,7 @@
 """Real multi-process runs for tests/test_distributed.py (and bench/distributed.py).
 
 ``run_ranks`` spawns ``world`` processes that each join a gloo process group through
-gradstep.distributed.init() (the same env:// variables torchrun sets) and run one function;
+gradstep.parallel.init() (the same env:// variables torchrun sets) and run one function;
 each rank's return value comes back to the caller. Spawning costs seconds on a 2-core
 machine, so one spawn runs every scenario of a strategy and the tests only inspect results.
 
@@ -26,8 +26,9 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from gradstep.data import IGNORE_INDEX, PAD_ID
-from gradstep.model import GPT, GPTConfig
+from gradstep import token_loss
+from gradstep_demo.data import IGNORE_INDEX, PAD_ID
+from gradstep_demo.model import GPT, GPTConfig
 
 Batch = dict[str, torch.Tensor]
 VOCAB = 32
@@ -127,6 +128,21 @@ def reference_run(
     return out
 
 
+def single_backward_reference(seed: int) -> dict[str, torch.Tensor]:
+    """What ``raising_window_run``'s last backward must give (float64, one process): the
+    ranks' mean-token-loss gradients of their first micro-batch, averaged over ranks."""
+    model = tiny_gpt(torch.float64)
+    first = [rank[0] for rank in make_windows(1, 2, 3, seed=seed)[0]]
+    grads: dict[str, torch.Tensor] = {}
+    for mb in first:
+        model.zero_grad()
+        total, count = token_loss(model(mb["input_ids"]), mb["labels"])
+        (total / count).backward()
+        for n, p in model.named_parameters():
+            grads[n] = grads.get(n, 0) + p.grad / len(first)
+    return grads
+
+
 def rel_err(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
     """Largest per-tensor relative error ||got - want|| / ||want||, in float64."""
     assert got.keys() == want.keys(), (sorted(got), sorted(want))
@@ -165,7 +181,7 @@ _PRELOAD = [
     "torch.distributed.tensor",
     "torch.nn.parallel",
     "gradstep",
-    "gradstep.distributed",
+    "gradstep.parallel",
     "distributed_helpers",
 ]
 
@@ -185,7 +201,7 @@ def _rank_main(
     collective_timeout_s: float,
     args: tuple,
 ) -> None:
-    # The variables torchrun sets; gradstep.distributed.init() reads them.
+    # The variables torchrun sets; gradstep.parallel.init() reads them.
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -194,7 +210,7 @@ def _rank_main(
         WORLD_SIZE=str(world),
     )
     torch.set_num_threads(1)
-    import gradstep.distributed as gd
+    import gradstep.parallel as gd
 
     gd.init(device="cpu", timeout_s=collective_timeout_s)
     try:
@@ -311,10 +327,11 @@ def _setup(
     value: float | None = None,
 ) -> tuple:
     import gradstep
-    import gradstep.distributed as gd
+    import gradstep.parallel as gd
+    from gradstep.parallel.instrumentation import count_gradient_comms
 
     model = gd.prepare_model(tiny_gpt(dtype), strategy, precision=precision)
-    counter = gd.count_gradient_comms(model)
+    counter = count_gradient_comms(model)
     opt = adamw(model.parameters())
     clip = gradstep.ClipNorm(max_norm, norm_type) if max_norm is not None else None
     if value is not None:
@@ -415,6 +432,35 @@ def uneven_run(rank: int, strategy: str, k: int) -> dict[str, Any]:
     return {"error": error, "probe": float(probe)}
 
 
+def raising_window_run(rank: int, strategy: str) -> dict[str, Any]:
+    """A window whose second (not last) micro-batch raises, then the user's own backward.
+
+    That backward must synchronise as usual: the strategy restored the sync flag it turned
+    off for the failed micro-batch. Returned: whether every parameter got a gradient, and
+    the full gradients (equal on both ranks when they were reduced).
+    """
+    data = make_windows(1, 2, 3, seed=4)[0][rank]
+    model, _, stepper, _ = _setup(strategy, None, dtype=torch.float64)
+    calls = []
+
+    def fails_second(m: nn.Module, mb: Batch) -> Any:
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("micro-batch 2 failed")
+        return _loss(m, mb)
+
+    try:
+        stepper.step(data, fails_second)
+        error = None
+    except RuntimeError as exc:
+        error = str(exc)
+    total, count = _loss(model, data[0])
+    (total / count).backward()
+    has_grad = all(p.grad is not None for p in model.parameters())
+    grads = {_name(n): _full(p.grad) for n, p in model.named_parameters()} if has_grad else {}
+    return {"error": error, "has_grad": has_grad, "grads": grads}
+
+
 K = 3  # micro-batches per rank in the float64 runs
 K_FP32 = 5  # ... and in the float32 run: the communication counts must not depend on k
 STEPS = 3
@@ -432,8 +478,8 @@ def data_fp32() -> list:
 
 
 def env_run(rank: int) -> dict[str, Any]:
-    """What gradstep.distributed reports inside a torchrun-style launch."""
-    import gradstep.distributed as gd
+    """What gradstep.parallel reports inside a torchrun-style launch."""
+    import gradstep.parallel as gd
 
     env = gd.init()  # the group exists: describes it
     return {
@@ -457,6 +503,7 @@ def scenarios(rank: int, world: int, strategy: str) -> dict[str, Any]:
         ),
         "nan": nan_run(rank, d64, strategy, MAX_NORM),
         "value": parity_run(rank, d64, strategy, 1, None, False, torch.float64, value=CLIP_VALUE),
+        "raising": raising_window_run(rank, strategy),
     }
 
 

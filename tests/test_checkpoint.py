@@ -30,7 +30,7 @@ from gradstep.checkpoint import (
     CheckpointError,
     elastic_accum_steps,
 )
-from gradstep.train import WarmupCosine
+from gradstep_demo.train import WarmupCosine
 
 from checkpoint_helpers import (  # isort: skip
     LR,
@@ -60,7 +60,7 @@ def _one_thread():
 
 
 def _adaptive_clips() -> list:
-    from gradstep.adaptive import AutoClip, ZClip
+    from gradstep.policies import AutoClip, ZClip
 
     return [AutoClip(percentile=50.0), ZClip(warmup_steps=2, z_thresh=0.5)]
 
@@ -453,7 +453,7 @@ def test_data_position_is_global_across_world_sizes(
     the single-process stream exactly. The corpus is tiny (a few micro-batches per epoch)
     so saves land on and past epoch boundaries."""
     from checkpoint_helpers import MICRO, SEQ, batch_id, docs
-    from gradstep.data import TrainBatches
+    from gradstep_demo.data import TrainBatches
 
     corpus = docs(n=2, size=90)
     per_epoch = len(TrainBatches(corpus, SEQ, MICRO, seed=3)._epoch_plan(0))
@@ -514,7 +514,7 @@ def test_elastic_2_1_2_ranks_keeps_the_stream_and_the_state(tmp_path: Path) -> N
         elastic_phase_then_rewrap,
         full_state,
     )
-    from gradstep.data import TrainBatches
+    from gradstep_demo.data import TrainBatches
 
     ckpt, ddp_ckpt = str(tmp_path / "run"), str(tmp_path / "ddp")
     s1, s2, s3 = ELASTIC_STEPS
@@ -601,7 +601,7 @@ def test_cli_resume_is_bitwise_identical(tmp_path: Path, monkeypatch: pytest.Mon
     crashes in step 5 (after the step-3 checkpoint and 4 metrics lines); `gradstep train
     --resume` in a fresh process continues it. Metrics lines and the final checkpoint's files
     (parameters, optimizer, RNG: same sha256) equal the uninterrupted run's."""
-    from gradstep.cli import main
+    from gradstep_demo.cli import main
 
     args = [*CLI_TINY, "--data", str(_text_corpus(tmp_path / "data"))]
     whole, crashed = tmp_path / "whole", tmp_path / "crashed"
@@ -636,7 +636,7 @@ def test_cli_resume_is_bitwise_identical(tmp_path: Path, monkeypatch: pytest.Mon
 
 
 def test_cli_resume_errors_are_clear(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from gradstep.cli import main
+    from gradstep_demo.cli import main
 
     args = [*CLI_TINY, "--data", str(_text_corpus(tmp_path / "data"))]
     assert main(["train", *args, "--out", str(tmp_path / "a"), "--resume", "nope"]) == 2

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from gradstep import StepStats
-from gradstep.cli import main
-from gradstep.config import TrainConfig
-from gradstep.data import collate
-from gradstep.model import GPT, GPTConfig
-from gradstep.train import WarmupCosine, evaluate
+from gradstep_demo.cli import main
+from gradstep_demo.config import TrainConfig
+from gradstep_demo.data import collate
+from gradstep_demo.model import GPT, GPTConfig
+from gradstep_demo.train import WarmupCosine, evaluate
 
 TINY = [
     "--n-layer", "1", "--n-head", "2", "--d-model", "32", "--seq-len", "32",

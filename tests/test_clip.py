@@ -108,8 +108,8 @@ def test_bad_norm_type_and_value_rejected():
 
 
 def test_parse_clip():
-    assert gradstep.parse_clip("none") is None
-    assert gradstep.parse_clip("norm:0.5").max_norm == 0.5
-    assert gradstep.parse_clip("value:2").value == 2.0
+    assert gradstep.policies.parse_clip("none") is None
+    assert gradstep.policies.parse_clip("norm:0.5").max_norm == 0.5
+    assert gradstep.policies.parse_clip("value:2").value == 2.0
     with pytest.raises(ValueError, match="--clip"):
-        gradstep.parse_clip("bogus")
+        gradstep.policies.parse_clip("bogus")

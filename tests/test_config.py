@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from gradstep.cli import main
-from gradstep.config import ConfigError, TrainConfig, load_toml, resolve
+from gradstep_demo.cli import main
+from gradstep_demo.config import ConfigError, TrainConfig, load_toml, resolve
 
 
 def write(tmp_path: Path, text: str) -> Path:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradstep.data import (
+from gradstep_demo.data import (
     DataError,
     Document,
     TrainBatches,

@@ -29,8 +29,9 @@ import torch
 from torch import nn
 
 import distributed_helpers as h
-import gradstep.distributed as gd
-from gradstep.data import IGNORE_INDEX
+import gradstep.parallel as gd
+from gradstep.parallel.instrumentation import count_gradient_comms
+from gradstep_demo.data import IGNORE_INDEX
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(150)]
 
@@ -193,6 +194,21 @@ def test_nan_on_one_rank_skips_on_every_rank(runs: dict) -> None:
         assert nan["step_count"] == 1 and nan["grads_cleared"], rank
 
 
+def test_a_failed_micro_batch_leaves_gradient_sync_on(runs: dict) -> None:
+    """After a window raises in a micro-batch that ran without sync, the user's own backward
+    still reduces (FSDP2's flag restored, DDP's no_sync exited): every parameter gets a
+    gradient, the same on both ranks, and it is the gradient of that backward alone (1/W of
+    the sum over ranks of each rank's mean-loss gradient): nothing of the failed window
+    leaks into it."""
+    a, b = (r["raising"] for r in runs["ranks"])
+    assert a["error"] == b["error"] == "micro-batch 2 failed"
+    assert a["has_grad"] and b["has_grad"]
+    for name in a["grads"]:
+        assert torch.equal(a["grads"][name], b["grads"][name]), name
+    want = h.single_backward_reference(4)
+    assert h.rel_err(a["grads"], want) < EXACT
+
+
 def test_different_window_lengths_raise_on_every_rank_without_hanging() -> None:
     """Rank 1 passes one micro-batch more. DDP's forward has no collective, so the
     Stepper's window all-reduce catches it; FSDP2's forward all-gathers, so the lengths
@@ -241,7 +257,7 @@ def test_bad_arguments_name_the_parameter() -> None:
         gd.prepare_model(model, "fsdp")
     assert gd.prepare_model(model, "none") is model
     with pytest.raises(TypeError, match="DDP or FSDP2"):
-        gd.count_gradient_comms(model)
+        count_gradient_comms(model)
 
 
 def test_quiet_unless_main(
@@ -249,7 +265,7 @@ def test_quiet_unless_main(
 ) -> None:
     with gd.quiet_unless_main():
         print("from rank 0")
-    monkeypatch.setattr(gd, "is_main", lambda: False)
+    monkeypatch.setattr(gd.collectives, "is_main", lambda: False)
     with pytest.raises(KeyError), gd.quiet_unless_main():
         print("from rank 1")
         print("also rank 1", file=sys.stderr)

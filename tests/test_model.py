@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gradstep.model import GPT, GPTConfig, apply_rotary, generate, rotary_tables
+from gradstep_demo.model import GPT, GPTConfig, apply_rotary, generate, rotary_tables
 
 TINY = GPTConfig(n_layer=2, n_head=2, d_model=32, max_seq_len=64)
 

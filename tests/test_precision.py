@@ -50,7 +50,7 @@ def test_fp16_pre_clip_norm_and_gradient_match_fp32_reference():
     assert stats.grad_norm == pytest.approx(expected, rel=5e-3)  # fp16 compute tolerance
     # unscaled exactly once: the gradient is the reference's, not scale x reference
     assert rel_err([p.grad for p in m.parameters()], ref) <= 5e-3
-    assert stats.loss_scale == stepper._precision.scaler.get_scale()
+    assert stats.loss_scale == stepper.loss_scale
 
 
 def test_fp16_clip_acts_on_the_unscaled_gradient():
@@ -69,8 +69,8 @@ def test_fp16_overflow_skips_and_lowers_the_scale():
     stepper = gradstep.Stepper(model, opt, precision="fp16")
     mbs, _ = make_window(WINDOW, seed=3)
     while stepper.step(mbs, loss_fn).skipped:  # the initial 2^16 scale may overflow
-        assert stepper._precision.scaler.get_scale() >= 2.0**10
-    scale = stepper._precision.scaler.get_scale()
+        assert stepper.loss_scale >= 2.0**10
+    scale = stepper.loss_scale
     before = snapshot(model, opt)
 
     def overflow(model, mb):
@@ -79,7 +79,7 @@ def test_fp16_overflow_skips_and_lowers_the_scale():
 
     stats = stepper.step(mbs, overflow)
     assert stats.skipped and "non-finite" in stats.skip_reason
-    assert stepper._precision.scaler.get_scale() == scale * 0.5
+    assert stepper.loss_scale == scale * 0.5
     assert_bitwise_equal(snapshot(model, opt), before)
     assert not stepper.step(mbs, loss_fn).skipped  # recovers
 
@@ -91,7 +91,7 @@ def test_fp16_state_dict_round_trip_keeps_scale_and_counters():
     other = gradstep.Stepper(model, torch.optim.SGD(model.parameters(), lr=0.1), clip=None,
                              precision="fp16")  # fmt: skip
     other.load_state_dict(state)
-    assert other._precision.scaler.get_scale() == stepper._precision.scaler.get_scale()
+    assert other.loss_scale == stepper.loss_scale
     assert other.skipped_steps == 1 and other.state_dict() == state
 
 
@@ -162,7 +162,7 @@ def test_fp32_accumulation_of_bf16_gradients_beats_plain_bf16(k, factor, seed):
 def test_accum_buffers_are_used_and_grads_freed_per_micro_batch():
     model = nn.Linear(4, 3).to(torch.bfloat16)
     stepper = gradstep.Stepper(model, torch.optim.SGD(model.parameters(), lr=0.0), clip=None)
-    acc = stepper._precision.accumulator
+    acc = stepper.accumulator
     assert acc is not None and acc.dtype == torch.float32
     seen = []
 
@@ -228,11 +228,11 @@ def test_fp16_step_that_raises_after_unscale_leaves_a_usable_stepper():
     stepper = gradstep.Stepper(model, opt, precision="fp16", clip=gradstep.AGC(exclude=["nope"]))
     mbs, _ = make_window(WINDOW, seed=3)
     before = snapshot(model, opt)
-    scale = stepper._precision.scaler.get_scale()
+    scale = stepper.loss_scale
     with pytest.raises(ValueError, match="nope"):
         stepper.step(mbs, loss_fn)  # AGC checks exclude names after the unscale
     assert_bitwise_equal(snapshot(model, opt), before)
-    assert stepper._precision.scaler.get_scale() == scale
+    assert stepper.loss_scale == scale
     stepper.clip = [gradstep.ClipNorm(1.0)]
     while stepper.step(mbs, loss_fn).skipped:  # the initial 2^16 scale may overflow
         pass
@@ -251,8 +251,11 @@ def test_fp16_policy_skip_does_not_count_towards_scale_growth():
 
     stepper = gradstep.Stepper(model, opt, precision="fp16", clip=SkipAll())
     mbs, _ = make_window(WINDOW, seed=3)
-    tracker = stepper._precision.scaler._get_growth_tracker
+
+    def tracker():
+        return stepper.grad_scaler.state_dict()["_growth_tracker"]
+
     for _ in range(3):
         stats = stepper.step(mbs, loss_fn)
         assert stats.skipped and stats.skip_reason == "test: always skip"
-    assert stepper._precision.scaler.get_scale() == 2.0**16 and tracker() == 0
+    assert stepper.loss_scale == 2.0**16 and tracker() == 0

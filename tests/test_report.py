@@ -15,9 +15,9 @@ import torch
 from matplotlib.lines import Line2D
 
 import gradstep
-from gradstep.cli import main
 from gradstep.metrics import MetricsLogger
 from gradstep.report import PLOTS, ReportError, build_figures, load_run, write_report
+from gradstep_demo.cli import main
 from helpers import TinyLM, make_window
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -2,37 +2,81 @@
 
 Many micro-batches make one optimizer step equal to the step of one large batch, clipped
 on the global, unscaled norm, in any precision, with every event reported.
+
+The package, one concern per module:
+
+- :mod:`gradstep.stepper`: the step (``Stepper``, ``StepStats``, ``windows``);
+- :mod:`gradstep.loss`: ``LossSum`` and ``token_loss``;
+- :mod:`gradstep.precision`: autocast, fp16 loss scaling, fp32 accumulation buffers;
+- :mod:`gradstep.policies`: clip policies and their registry;
+- :mod:`gradstep.hooks`: observers of the step (``Stepper(..., hooks=[...])``);
+- :mod:`gradstep.parallel`: strategies, collectives and setup for DDP / FSDP2;
+- :mod:`gradstep.checkpoint`: atomic, verified, elastic checkpoints;
+- :mod:`gradstep.metrics` and :mod:`gradstep.report`: per-step records, plots.
 """
 
-from . import distributed, metrics
-from .adaptive import AGC, AutoClip, SpikeGuard, ZClip, find_output_layer
-from .checkpoint import Checkpointer, CheckpointError
-from .clip import ClipContext, ClipNorm, ClipPolicy, ClipResult, ClipValue, parse_clip
+from . import checkpoint, metrics, parallel, policies
+from ._version import __version__
+from .checkpoint import Checkpointer, CheckpointError, CheckpointInfo, elastic_accum_steps
+from .errors import GradstepError, UnsupportedSetup
+from .hooks import StepHook
 from .loss import LossSum, token_loss
+from .metrics import MetricsLogger
+from .parallel import Strategy
+from .policies import (
+    AGC,
+    AutoClip,
+    ClipContext,
+    ClipNorm,
+    ClipPolicy,
+    ClipResult,
+    ClipValue,
+    GradientView,
+    SpikeGuard,
+    ZClip,
+    find_output_layer,
+)
 from .stepper import Stepper, StepStats, windows
-
-__version__ = "0.1.0"
 
 __all__ = [
     "AGC",
     "AutoClip",
     "CheckpointError",
+    "CheckpointInfo",
     "Checkpointer",
     "ClipContext",
     "ClipNorm",
     "ClipPolicy",
     "ClipResult",
     "ClipValue",
+    "GradientView",
+    "GradstepError",
     "LossSum",
+    "MetricsLogger",
     "SpikeGuard",
+    "StepHook",
     "StepStats",
     "Stepper",
+    "Strategy",
+    "UnsupportedSetup",
     "ZClip",
     "__version__",
-    "distributed",
+    "checkpoint",
+    "elastic_accum_steps",
     "find_output_layer",
     "metrics",
-    "parse_clip",
+    "parallel",
+    "policies",
     "token_loss",
     "windows",
 ]
+
+
+def __getattr__(name: str):  # type: ignore[no-untyped-def]
+    # ``gradstep.distributed`` is the deprecated name of ``gradstep.parallel``; imported on
+    # first use so that it stays out of the curated namespace.
+    if name == "distributed":
+        import importlib
+
+        return importlib.import_module(".distributed", __name__)
+    raise AttributeError(f"module 'gradstep' has no attribute {name!r}")

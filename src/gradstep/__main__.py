@@ -1,7 +1,10 @@
-"""``python -m gradstep``: the same entry point as the ``gradstep`` script."""
+"""``python -m gradstep``: the ``gradstep`` command line (the demo trainer and the report).
+
+An entry point, not a library module: the library itself never imports the demo.
+"""
 
 import sys
 
-from .cli import main
+from gradstep_demo.cli import main
 
 sys.exit(main())

@@ -30,6 +30,7 @@ import torch
 from .stepper import StepStats
 
 __all__ = [
+    "FINISHED_FILE",
     "CallbackSink",
     "JsonlSink",
     "MetricsLogger",
@@ -40,6 +41,10 @@ __all__ = [
 ]
 
 Record = dict[str, Any]
+
+FINISHED_FILE = "metrics.finished.json"
+"""Written into the run folder by :meth:`MetricsLogger.finish`: the run ended normally.
+``gradstep report`` shows a run without it as "in progress"."""
 
 # Record keys written to TensorBoard, and their tags. Booleans become 0/1 so clip and skip
 # events are visible as curves; strings and lists (skip_reason, policies) stay in the JSON.
@@ -222,6 +227,7 @@ class MetricsLogger:
             raise ValueError("MetricsLogger: tensorboard=True needs out_dir (events go there)")
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.sinks: list[MetricsSink] = []
+        self.out_dir = None if out_dir is None else Path(out_dir)
         if out_dir is not None:
             self.sinks.append(JsonlSink(Path(out_dir) / "metrics.jsonl", append=append))
             if tensorboard:
@@ -282,6 +288,13 @@ class MetricsLogger:
             sink.write(rec)
         self.steps_logged += 1
         return rec
+
+    def finish(self, **summary: Any) -> None:
+        """Mark the run as finished (``FINISHED_FILE`` in ``out_dir``, with ``summary``)."""
+        if self.out_dir is None:
+            return
+        body = {"steps_logged": self.steps_logged, "finished_unix": time.time(), **summary}
+        (self.out_dir / FINISHED_FILE).write_text(json.dumps(jsonable(body)) + "\n")
 
     def close(self) -> None:
         for sink in self.sinks:

@@ -12,7 +12,8 @@ Three separate concerns, each small:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -119,6 +120,28 @@ class Precision:
             )
         self.scaler = torch.amp.GradScaler(self.device_type) if precision == "fp16" else None
         self._unscaled = False
+        # fp16 only: each micro-batch backpropagates sum * prescale (~ 1 / items per
+        # micro-batch, from the previous window, identical on all ranks) so that scaled
+        # fp16 gradients stay in the range a mean loss would give. None: not known yet
+        # (the first fp16 window measures it from its first micro-batch).
+        self._prescale: float | None = None if precision == "fp16" else 1.0
+
+    @property
+    def prescale(self) -> float:
+        """The factor every loss sum of this window was multiplied by before backward."""
+        if self._prescale is None:
+            raise RuntimeError("Precision.prescale is unknown before the first backward")
+        return self._prescale
+
+    @property
+    def prescale_state(self) -> float | None:
+        return self._prescale
+
+    @property
+    def backward_factor(self) -> float:
+        """Loss scale times pre-scale: what a backpropagated loss sum was multiplied by."""
+        scale = 1.0 if self.scaler is None else float(self.scaler.get_scale())
+        return scale * (1.0 if self._prescale is None else self._prescale)
 
     def autocast(self) -> contextlib.AbstractContextManager[None]:
         if self.dtype is None:
@@ -131,8 +154,21 @@ class Precision:
             return contextlib.nullcontext()
         return self.accumulator.window()
 
-    def backward(self, loss: torch.Tensor) -> None:
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+    def backward(
+        self, total: torch.Tensor, count: Any, mean_over_ranks: Callable[[Any], float]
+    ) -> None:
+        """Backpropagate one micro-batch's loss sum (pre-scaled and loss-scaled in fp16)."""
+        if self._prescale is None:
+            # fp16's first window: 1 / mean item count of the first micro-batch over ranks.
+            self._prescale = 1.0 / max(mean_over_ranks(count), 1.0)
+        if self._prescale != 1.0:
+            total = total * self._prescale
+        (self.scaler.scale(total) if self.scaler is not None else total).backward()
+
+    def end_window(self, global_micro_batches: int, items: int) -> None:
+        """After a taken step: the next fp16 window pre-scales by 1 / mean micro-batch items."""
+        if self.scaler is not None:
+            self._prescale = global_micro_batches / items
 
     def unscale(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide by the loss scale, once per optimizer step."""
@@ -188,6 +224,8 @@ class Precision:
     def state_dict(self) -> dict:
         return {"scaler": self.scaler.state_dict() if self.scaler is not None else None}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, prescale: float | None = None) -> None:
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+        if self.scaler is not None:
+            self._prescale = prescale

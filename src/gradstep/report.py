@@ -30,6 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .errors import GradstepError
+from .metrics import FINISHED_FILE
+
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
@@ -46,7 +49,7 @@ _TITLES = {
 }
 
 
-class ReportError(ValueError):
+class ReportError(GradstepError, ValueError):
     """A run folder cannot be reported; the message names the file."""
 
 
@@ -129,8 +132,7 @@ def _plot_grad_norm(ax: Axes, run: RunMetrics, color: str) -> None:
     clipped = [(x, p) for x, rec, p in flags if rec.get("clipped") and p == p]
     if clipped:
         cx, cy = zip(*clipped, strict=True)
-        ax.plot(cx, cy, ls="none", marker="o", mfc="none", color=color,
-                label=f"{run.name} clipped")  # fmt: skip
+        ax.plot(cx, cy, ls="none", marker="o", mfc="none", color=color, label=f"{run.name} clipped")
     skipped = [x for x, rec, _ in flags if rec.get("skipped")]
     for i, x in enumerate(skipped):
         label = f"{run.name} skipped" if i == 0 else "_nolegend_"
@@ -196,7 +198,7 @@ def _summary_row(run: RunMetrics) -> dict[str, str]:
         return f"{values[-1]:.4g}" if values else "-"
 
     tps = [v for v in run.series("tokens_per_s") if math.isfinite(v)]
-    live = run.partial_last_line or not (run.path / "summary.json").exists()
+    live = run.partial_last_line or not (run.path / FINISHED_FILE).exists()
     return {
         "run": run.name,
         "steps": str(len(run.records)),

@@ -1,13 +1,14 @@
 """The optimizer step built from many micro-batches, exactly as one large batch would give.
 
-``Stepper.step`` is one linear function: zero grads -> micro-batches (forward, loss,
-backward; gradient sync only on the last) -> normalise -> unscale -> global norm ->
-finite check -> clip -> optimizer step -> scheduler step.
+``Stepper._step`` is the whole algorithm, top to bottom: zero grads -> micro-batches
+(forward, loss, backward; gradient sync only on the last) -> unscale -> global norm ->
+normalise -> finite check -> clip policies -> optimizer step -> scheduler step.
 
-Normalisation has exactly one owner: the factor ``grad_divisor / (items * loss_hint)``
-computed in :meth:`Stepper.step`. Losses are backpropagated as *sums*; the window's item
-count (over every micro-batch and every rank) is only known at the end, so the sum is
-divided once, afterwards, folded into the same multiply that applies the clip.
+Normalisation has exactly one owner, one line in ``_step``: losses are backpropagated as
+*sums*, the window's item count (over every micro-batch and every rank) is only known at
+the end, so the summed gradient is divided once, afterwards, by the global item count
+(times the backend's own average over ranks, undone, and the fp16 pre-scale, undone). The
+multiply itself is kept pending and done in the same pass as a norm clip.
 """
 
 from __future__ import annotations
@@ -21,10 +22,13 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from .clip import ClipContext, ClipNorm, as_policies
+from .hooks import Hooks
 from .loss import LossSum, check_loss_sum
+from .parallel import Strategy, strategy_for, window_length_error
+from .policies import ClipNorm, ClipPolicy, GradientView, as_policies
 from .precision import Precision
-from .strategy import LocalStrategy, strategy_for, window_length_error
+
+__all__ = ["LossFn", "StepStats", "Stepper", "windows"]
 
 T = TypeVar("T")
 LossFn = Callable[[nn.Module, Any], LossSum]
@@ -91,11 +95,28 @@ def _mark_last(iterable: Iterable[T]) -> Iterator[tuple[bool, T]]:
 
 @dataclass
 class _Window:
+    """The window's totals over every rank, read in the step's one host sync."""
+
     loss_sum: float
     items: int
     micro_batches: int
-    raw_norm: float = math.nan
+    raw_norm: float
     """Global norm of the summed (not yet normalised) gradient."""
+
+    @property
+    def loss(self) -> float:
+        return self.loss_sum / self.items if self.items else math.nan
+
+
+@dataclass
+class _Decision:
+    """What the clip policies decided, together."""
+
+    coef: float = 1.0
+    threshold: float | None = None
+    acted: bool = False
+    skip: str | None = None
+    detail: list[dict] = field(default_factory=list)
 
 
 class Stepper:
@@ -111,6 +132,9 @@ class Stepper:
             in bf16/fp16, and the parameter dtype otherwise.
         sync_each_micro_batch: reduce gradients after every micro-batch (FSDP memory)
             instead of only after the last.
+        hooks: observers called at fixed points of every step (:mod:`gradstep.hooks`).
+        strategy: how gradients are synchronised (:mod:`gradstep.parallel`); None detects
+            it from the model's wrapper.
     """
 
     def __init__(
@@ -122,6 +146,8 @@ class Stepper:
         precision: str = "fp32",
         accum_dtype: torch.dtype | None = None,
         sync_each_micro_batch: bool = False,
+        hooks: list[Any] | None = None,
+        strategy: Strategy | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -129,35 +155,73 @@ class Stepper:
             raise TypeError(
                 f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
             )
+        if strategy is not None and not isinstance(strategy, Strategy):
+            raise TypeError(
+                "strategy must be None (detect) or a gradstep.parallel strategy (LocalStrategy, "
+                f"DDPStrategy, FSDP2Strategy, ...), got {type(strategy).__name__}"
+            )
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
-        self.clip = as_policies(ClipNorm(1.0) if clip is _DEFAULT_CLIP else clip)
+        self.clip = ClipNorm(1.0) if clip is _DEFAULT_CLIP else clip
         self.sync_each_micro_batch = bool(sync_each_micro_batch)
+        self.hooks = Hooks(hooks)
         self._named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self._params = [p for _, p in self._named]
-        self._strategy = strategy_for(model)
-        distributed = not isinstance(self._strategy, LocalStrategy)
-        self._precision = Precision(precision, self._params, accum_dtype, distributed)
-        self._norm_type = next(
-            (float(p.norm_type) for p in self.clip if hasattr(p, "norm_type")), 2.0
-        )
-        # fp16 only: backpropagate sum * loss_hint (~ 1 / items per micro-batch, from the
-        # previous window, identical on all ranks) so scaled fp16 gradients stay in the
-        # range a mean loss would give. None = not known yet (first fp16 window).
-        self._loss_hint: float | None = None if precision == "fp16" else 1.0
+        self._strategy = strategy_for(model) if strategy is None else strategy
+        params = [p for _, p in self._named]
+        self._precision = Precision(precision, params, accum_dtype, self._strategy.distributed)
         self.step_count = 0
         self.skipped_steps = 0
         self.clipped_steps = 0
         self.skip_reasons: Counter[str] = Counter()
 
     @property
+    def clip(self) -> list[ClipPolicy]:
+        """The clip policies, in the order they apply (assigning validates them)."""
+        return self._clip
+
+    @clip.setter
+    def clip(self, value: Any) -> None:
+        policies = as_policies(value)
+        self._clip = policies
+        # The norm every policy is handed is measured in the first norm_type any policy
+        # names (ClipNorm(norm_type=inf) makes grad_norm the inf-norm), else L2.
+        self._norm_type = next(
+            (float(p.norm_type) for p in policies if hasattr(p, "norm_type")), 2.0
+        )
+
+    @property
     def precision(self) -> str:
         return self._precision.precision
 
     @property
+    def strategy(self) -> Strategy:
+        return self._strategy
+
+    @property
     def world_size(self) -> int:
         return self._strategy.world_size
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The fp16 GradScaler's current scale (None unless ``precision="fp16"``)."""
+        return self._precision.loss_scale
+
+    @property
+    def loss_scale_factor(self) -> float:
+        """What each micro-batch's backpropagated loss sum was multiplied by (fp16 loss
+        scale times pre-scale; 1.0 otherwise)."""
+        return self._precision.backward_factor
+
+    @property
+    def grad_scaler(self) -> torch.amp.GradScaler | None:
+        """The fp16 ``GradScaler`` (None otherwise)."""
+        return self._precision.scaler
+
+    @property
+    def accumulator(self) -> Any:
+        """The float32 accumulation buffers of low-precision parameters, or None."""
+        return self._precision.accumulator
 
     def step(self, micro_batches: Iterable[Any], loss_fn: LossFn) -> StepStats:
         """Run one window of micro-batches and take (or skip) one optimizer step."""
@@ -173,54 +237,61 @@ class Stepper:
             micro_batches = list(micro_batches)
             self._strategy.check_window(len(micro_batches))
         try:
-            return self._step(micro_batches, loss_fn)
+            stats = self._step(micro_batches, loss_fn)
         except BaseException:
-            # A failed step leaves nothing behind: no gradients, no half-done fp16 unscale.
+            # A failed step leaves nothing behind: no gradients (also none held inside the
+            # backend), no half-done fp16 unscale.
             self._precision.skip(self.optimizer, overflow=False)
             self.optimizer.zero_grad(set_to_none=True)
+            self._strategy.discard_partial_grads()
             raise
+        for call in self.hooks.on_step_end:
+            call(self, stats)
+        return stats
 
     def _step(self, micro_batches: Iterable[Any], loss_fn: LossFn) -> StepStats:
-        """zero -> accumulate -> unscale -> norm -> normalise -> finite -> clip -> step."""
         self.optimizer.zero_grad(set_to_none=True)
+        for call in self.hooks.on_step_start:
+            call(self)
         totals, n = self._accumulate(micro_batches, loss_fn)
         self._precision.unscale(self.optimizer)
         named_grads = self._precision.named_grads(self._named)
         grads = [g for _, _, g in named_grads]
-        raw_norm = self._strategy.total_norm(grads, self._norm_type)
-        window = self._read_window(totals, raw_norm, n)
+        window = self._read_window(totals, self._strategy.total_norm(grads, self._norm_type), n)
         if window.items == 0:
             return self._skip(window, "empty window: 0 items (every label ignored)", math.nan)
-        # THE normalisation: undo the backend's average over ranks and divide the summed
-        # losses' gradient by the true global item count, once.
-        scale = self._strategy.grad_divisor / (window.items * self._loss_hint)
-        norm = window.raw_norm * scale
-        if not math.isfinite(norm):
-            return self._skip(window, "non-finite gradient norm", norm, overflow=True)
-        ctx = ClipContext(
-            grads, scale, norm, self._norm_type, window.loss_sum / window.items,
-            self.step_count, self._named, self._strategy.total_norm,
-            grad_owners=[(n, p) for n, p, _ in named_grads],
-        )  # fmt: skip
-        coef, threshold, acted, skip, detail = self._apply_policies(ctx)
-        if skip is not None:
-            return self._skip(window, skip, norm, policies=detail)
-        ctx.apply()
+        view = GradientView(
+            grads=grads,
+            scale=1.0,
+            norm=window.raw_norm,
+            norm_type=self._norm_type,
+            loss=window.loss,
+            step=self.step_count,
+            params=self._named,
+            global_norm=self._strategy.total_norm,
+            grad_owners=[(name, p) for name, p, _ in named_grads],
+        )
+        # THE normalisation: sum of per-item gradients -> mean over the global item count,
+        # with the backend's average over ranks and the fp16 pre-scale undone. Pending: it
+        # is applied to the tensors in the same pass as a norm clip (view.materialize).
+        view.scale_by(self._strategy.grad_divisor / (window.items * self._precision.prescale))
+        if not math.isfinite(view.norm):
+            return self._skip(window, "non-finite gradient norm", view.norm, overflow=True)
+        for call in self.hooks.on_norm:
+            call(self, view)
+        norm = view.norm
+        decision = self._apply_policies(view)
+        if decision.skip is not None:
+            return self._skip(window, decision.skip, norm, decision)
+        view.materialize()
         lr = float(self.optimizer.param_groups[0]["lr"])
         self._precision.step(self.optimizer)
         if self.scheduler is not None:
             self.scheduler.step()
         self.step_count += 1
-        self.clipped_steps += int(acted)
-        if self._precision.scaler is not None:
-            self._loss_hint = window.micro_batches * self.world_size / window.items
-        return StepStats(
-            loss=window.loss_sum / window.items, items=window.items,
-            micro_batches=window.micro_batches, grad_norm=norm, clip_coef=coef,
-            clipped=acted, skipped=False, lr=lr, step=self.step_count,
-            clip_threshold=threshold, post_clip_norm=ctx.norm,
-            loss_scale=self._precision.loss_scale, policies=detail,
-        )  # fmt: skip
+        self.clipped_steps += int(decision.acted)
+        self._precision.end_window(window.micro_batches * self.world_size, window.items)
+        return self._stats(window, norm, decision, lr=lr, post_clip_norm=view.norm)
 
     def _accumulate(
         self, micro_batches: Iterable[Any], loss_fn: LossFn
@@ -234,26 +305,23 @@ class Stepper:
             for n, (is_last, mb) in enumerate(_mark_last(micro_batches), start=1):  # noqa: B007
                 with self._strategy.sync(is_last or self.sync_each_micro_batch):
                     with self._precision.autocast():
-                        total, count = check_loss_sum(loss_fn(self.model, mb))
+                        loss = check_loss_sum(loss_fn(self.model, mb))
                     # Kept on the loss's device: no host sync until the window's end.
-                    loss_sum = loss_sum + total.detach().to(torch.float64)
-                    items = items + count
-                    if isinstance(count, torch.Tensor):
-                        negative = negative + (count < 0)
-                    if self._loss_hint is None:
-                        self._loss_hint = self._first_loss_hint(count)
-                    if self._loss_hint != 1.0:
-                        total = total * self._loss_hint
-                    self._precision.backward(total)
+                    loss_sum = loss_sum + loss.total.detach().to(torch.float64)
+                    items = items + loss.count
+                    if isinstance(loss.count, torch.Tensor):
+                        negative = negative + (loss.count < 0)
+                    with self.hooks.param_grads(self, self._named, n - 1):
+                        self._precision.backward(loss.total, loss.count, self._mean_over_ranks)
+                for call in self.hooks.on_micro_batch_end:
+                    call(self, n - 1, is_last, loss)
         if n == 0:
             raise ValueError("micro_batches is empty: a window needs at least one micro-batch")
         return self._reduce_totals(loss_sum, items, negative, n), n
 
-    def _first_loss_hint(self, count: Any) -> float:
-        """fp16's first window: 1 / mean item count of the first micro-batch over ranks."""
+    def _mean_over_ranks(self, count: Any) -> float:
         local = torch.as_tensor(count, dtype=torch.float64).reshape(1).cpu()
-        mean = float(self._strategy.all_reduce_sum(local)) / self.world_size
-        return 1.0 / max(mean, 1.0)
+        return float(self._strategy.all_reduce_sum(local)) / self.world_size
 
     def _reduce_totals(self, loss_sum: Any, items: Any, negative: Any, n: int) -> torch.Tensor:
         """The one collective of the window: global loss sum, item count and window checks.
@@ -283,76 +351,111 @@ class Stepper:
             raise ValueError("LossSum.count must be >= 0; loss_fn returned a negative count")
         return _Window(loss_sum=loss, items=int(count), micro_batches=n, raw_norm=raw)
 
-    def _apply_policies(self, ctx: ClipContext) -> tuple:
-        coef, threshold, acted = 1.0, None, False
-        detail: list[dict] = []
-        for policy in self.clip:
-            before = ctx.norm
-            result = policy.clip(ctx)
-            detail.append(
-                {"name": type(policy).__name__, "threshold": result.threshold,
-                 "acted": result.acted or result.skip is not None}
-            )  # fmt: skip
+    def _apply_policies(self, view: GradientView) -> _Decision:
+        decision = _Decision()
+        for policy in self._clip:
+            before = view.norm
+            result = policy.clip(view)
+            acted = result.acted or result.skip is not None
+            decision.detail.append(
+                {"name": type(policy).__name__, "threshold": result.threshold, "acted": acted}
+            )
             if result.skip is not None:
-                return coef, result.threshold, True, result.skip, detail
+                decision.threshold, decision.acted = result.threshold, True
+                decision.skip = result.skip
+                return decision
             if result.inplace:
-                ctx.refresh()
-                coef *= ctx.norm / before if before > 0 else 1.0
+                view.refresh()
+                decision.coef *= view.norm / before if before > 0 else 1.0
             elif result.coef != 1.0:
-                ctx.scale_by(result.coef)
-                coef *= result.coef
+                view.scale_by(result.coef)
+                decision.coef *= result.coef
             if result.threshold is not None:
-                threshold = result.threshold
-            acted = acted or result.acted
-        return coef, threshold, acted, None, detail
+                decision.threshold = result.threshold
+            decision.acted = decision.acted or result.acted
+        return decision
 
     def _skip(
         self,
         window: _Window,
         reason: str,
         norm: float,
+        decision: _Decision | None = None,
         overflow: bool = False,
-        policies: list[dict] | None = None,
     ) -> StepStats:
         """No optimizer or scheduler step: parameters and optimizer state stay untouched."""
         self._precision.skip(self.optimizer, overflow)
         self.optimizer.zero_grad(set_to_none=True)
         self.skipped_steps += 1
         self.skip_reasons[reason] += 1
-        loss = window.loss_sum / window.items if window.items else math.nan
+        kept = _Decision(detail=decision.detail if decision else [])
+        return self._stats(window, norm, kept, skip_reason=reason)
+
+    def _stats(
+        self,
+        window: _Window,
+        norm: float,
+        decision: _Decision,
+        *,
+        lr: float | None = None,
+        post_clip_norm: float = math.nan,
+        skip_reason: str | None = None,
+    ) -> StepStats:
+        """The one place a StepStats is built, for taken and skipped steps alike."""
         return StepStats(
-            loss=loss, items=window.items, micro_batches=window.micro_batches,
-            grad_norm=norm, clip_coef=1.0, clipped=False, skipped=True,
-            lr=float(self.optimizer.param_groups[0]["lr"]), step=self.step_count,
-            skip_reason=reason, loss_scale=self._precision.loss_scale,
-            policies=policies or [],
-        )  # fmt: skip
+            loss=window.loss,
+            items=window.items,
+            micro_batches=window.micro_batches,
+            grad_norm=norm,
+            clip_coef=decision.coef,
+            clipped=decision.acted and skip_reason is None,
+            skipped=skip_reason is not None,
+            lr=float(self.optimizer.param_groups[0]["lr"]) if lr is None else lr,
+            step=self.step_count,
+            skip_reason=skip_reason,
+            clip_threshold=decision.threshold,
+            post_clip_norm=post_clip_norm,
+            loss_scale=self._precision.loss_scale,
+            policies=decision.detail,
+        )
 
     def state_dict(self) -> dict[str, Any]:
-        """Counters, the fp16 scaler and every stateful clip policy."""
+        """Counters, the fp16 scaler, every stateful clip policy and hook."""
         return {
             "step_count": self.step_count,
             "skipped_steps": self.skipped_steps,
             "clipped_steps": self.clipped_steps,
             "skip_reasons": dict(self.skip_reasons),
-            "loss_hint": self._loss_hint,
+            "loss_hint": self._precision.prescale_state,
             "precision": self._precision.state_dict(),
-            "clip": [p.state_dict() if hasattr(p, "state_dict") else {} for p in self.clip],
+            "clip": [_state_of(p) for p in self._clip],
+            "hooks": [_state_of(h) for h in self.hooks],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         clip_states = state.get("clip", [])
-        if len(clip_states) != len(self.clip):
-            raise ValueError(
-                f"Stepper.load_state_dict: checkpoint has {len(clip_states)} clip policies, "
-                f"this Stepper has {len(self.clip)}; build the Stepper with the same clip="
-            )
+        # Checkpoints written before hooks existed hold none: nothing to restore then.
+        hook_states = state.get("hooks", [{} for _ in self.hooks])
+        _check_count("clip policies", "clip", clip_states, self._clip)
+        _check_count("hooks", "hooks", hook_states, self.hooks.items)
         self.step_count = int(state["step_count"])
         self.skipped_steps = int(state["skipped_steps"])
         self.clipped_steps = int(state["clipped_steps"])
         self.skip_reasons = Counter(state.get("skip_reasons", {}))
-        self._loss_hint = state.get("loss_hint", self._loss_hint)
-        self._precision.load_state_dict(state.get("precision", {}))
-        for policy, sd in zip(self.clip, clip_states, strict=True):
-            if hasattr(policy, "load_state_dict"):
-                policy.load_state_dict(sd)
+        self._precision.load_state_dict(state.get("precision", {}), state.get("loss_hint"))
+        objects = [*self._clip, *self.hooks.items]
+        for obj, sd in zip(objects, [*clip_states, *hook_states], strict=True):
+            if hasattr(obj, "load_state_dict"):
+                obj.load_state_dict(sd)
+
+
+def _check_count(what: str, arg: str, saved: list, mine: list) -> None:
+    if len(saved) != len(mine):
+        raise ValueError(
+            f"Stepper.load_state_dict: checkpoint has {len(saved)} {what}, this Stepper has "
+            f"{len(mine)}; build the Stepper with the same {arg}="
+        )
+
+
+def _state_of(obj: Any) -> dict[str, Any]:
+    return obj.state_dict() if hasattr(obj, "state_dict") else {}

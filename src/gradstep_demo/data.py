@@ -29,6 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from gradstep.errors import GradstepError
+
 __all__ = [
     "Corpus",
     "DataError",
@@ -55,7 +57,7 @@ SKIP_DIRS = frozenset(
 VAL_BUCKETS = 10  # one file in ten (by path hash) is validation
 
 
-class DataError(ValueError):
+class DataError(GradstepError, ValueError):
     """The ``--data`` argument names nothing usable; the message says what was searched."""
 
 

@@ -31,17 +31,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from tqdm.auto import tqdm
 
-from . import LossSum, Stepper, StepStats, distributed, token_loss, windows
-from .adaptive import clip_policies
-from .checkpoint import Checkpointer
+from gradstep import LossSum, Stepper, StepStats, parallel, token_loss, windows
+from gradstep.checkpoint import Checkpointer
+from gradstep.metrics import FINISHED_FILE, MetricsLogger
+from gradstep.metrics import jsonable as _jsonable
+from gradstep.policies import clip_policies
+
 from .config import RESUME_AUTO, ConfigError, TrainConfig
 from .data import Batch, Corpus, TrainBatches, load_corpus, validation_batches
-from .metrics import MetricsLogger
-from .metrics import jsonable as _jsonable
 from .model import GPT, GPTConfig, generate
 
 __all__ = ["LMLoss", "WarmupCosine", "evaluate", "train"]
@@ -96,19 +96,11 @@ def evaluate(model: nn.Module, batches: Sequence[Batch], device: torch.device) -
         total, count = loss_fn(model, batch)
         sums += torch.stack([total.double(), torch.as_tensor(count, device=device).double()])
     model.train(was_training)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(sums)
-    total, count = sums.tolist()
+    total, count = parallel.all_reduce_sum(sums).tolist()
     return total / count if count else math.nan
 
 
-def resolve_device(spec: str) -> torch.device:
-    if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(spec)
-
-
-def _check_launch(cfg: TrainConfig, env: distributed.DistEnv) -> None:
+def _check_launch(cfg: TrainConfig, env: parallel.DistEnv) -> None:
     """--strategy and the launcher must agree: N processes without a strategy would train N
     unrelated models, and a strategy without torchrun has no other rank to sync with."""
     if cfg.strategy == "none" and env.world_size > 1:
@@ -172,7 +164,7 @@ class _Progress:
             setattr(self, key, [tuple(r) for r in value] if key == "recent" else value)
 
 
-def _setup(cfg: TrainConfig, env: distributed.DistEnv) -> _Run:
+def _setup(cfg: TrainConfig, env: parallel.DistEnv) -> _Run:
     _check_launch(cfg, env)
     rank, world, device = env.rank, env.world_size, env.device
     out = Path(cfg.out)
@@ -190,7 +182,7 @@ def _setup(cfg: TrainConfig, env: distributed.DistEnv) -> _Run:
     )
     # Same seed on every rank: DDP and FSDP2 both start from identical weights.
     model = GPT(model_cfg).to(device)
-    model = distributed.prepare_model(model, cfg.strategy, cfg.precision)
+    model = parallel.prepare_model(model, cfg.strategy, cfg.precision)
     optimizer = build_optimizer(model, cfg)  # after sharding: FSDP2 steps its shards
     schedule = WarmupCosine(cfg.warmup, cfg.max_steps, cfg.min_lr / cfg.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
@@ -203,17 +195,28 @@ def _setup(cfg: TrainConfig, env: distributed.DistEnv) -> _Run:
         corpus.val, cfg.seq_len, cfg.micro_batch_size, cfg.eval_batches, rank, world
     )
     # FSDP2 all-gathers in every forward: all ranks must evaluate as many batches.
-    val = val[: distributed.min_over_ranks(len(val))]
+    val = val[: parallel.min_over_ranks(len(val))]
     run = _Run(
-        cfg, out, device, world, env.is_main, model, stepper, train_iter, val, corpus,
+        cfg,
+        out,
+        device,
+        world,
+        env.is_main,
+        model,
+        stepper,
+        train_iter,
+        val,
+        corpus,
         cfg.accum_steps,
-    )  # fmt: skip
+    )
     _resume(run)
     if cfg.save_every or cfg.resume is not None:
         run.checkpointer = Checkpointer(
-            out / "checkpoints", cfg.keep_checkpoints, accum_steps=run.accum_steps,
+            out / "checkpoints",
+            cfg.keep_checkpoints,
+            accum_steps=run.accum_steps,
             micro_batch_size=cfg.micro_batch_size,
-        )  # fmt: skip
+        )
     return run
 
 
@@ -221,9 +224,13 @@ def _stateful(run: _Run) -> dict[str, Any]:
     """Everything a checkpoint holds, by name (the names are keys in the checkpoint)."""
     stepper = run.stepper
     return {
-        "model": run.model, "optimizer": stepper.optimizer, "scheduler": stepper.scheduler,
-        "stepper": stepper, "data": run.train_iter, "progress": run.progress,
-    }  # fmt: skip
+        "model": run.model,
+        "optimizer": stepper.optimizer,
+        "scheduler": stepper.scheduler,
+        "stepper": stepper,
+        "data": run.train_iter,
+        "progress": run.progress,
+    }
 
 
 def _resume(run: _Run) -> None:
@@ -336,12 +343,12 @@ def _summary(run: _Run, losses: dict[str, Any], started: float) -> dict[str, Any
         # Every rank generates (FSDP2's forward needs them all); the same seed and weights
         # give the same sample, and rank 0 reports it.
         sample = generate(
-            distributed.unwrap(run.model), SAMPLE_PROMPT, cfg.sample_tokens, 0.8, 40, gen
+            parallel.unwrap(run.model), SAMPLE_PROMPT, cfg.sample_tokens, 0.8, 40, gen
         )
     effective = cfg.micro_batch_size * run.accum_steps * run.world_size
     return {
         **losses,
-        "parameters": distributed.unwrap(run.model).num_parameters(),
+        "parameters": parallel.unwrap(run.model).num_parameters(),
         "strategy": cfg.strategy,
         "world_size": run.world_size,
         "effective_batch_sequences": effective,
@@ -400,22 +407,22 @@ def train(
     and writes the run folder.
     """
     started = time.perf_counter()
-    owns_group = not (dist.is_available() and dist.is_initialized())
-    env = distributed.init(resolve_device(cfg.device))
+    owns_group = not parallel.is_initialized()
+    env = parallel.init(cfg.device)
     try:
-        with distributed.quiet_unless_main(), _cpu_threads(cfg.threads):
+        with parallel.quiet_unless_main(), _cpu_threads(cfg.threads):
             summary = _train(cfg, env, started, callbacks)
     except BaseException:
         if owns_group:
-            distributed.shutdown(barrier=False)  # the other ranks may never reach a barrier
+            parallel.shutdown(barrier=False)  # the other ranks may never reach a barrier
         raise
     if owns_group:
-        distributed.shutdown()
+        parallel.shutdown()
     return summary
 
 
 def _train(
-    cfg: TrainConfig, env: distributed.DistEnv, started: float, callbacks: Sequence[Callable]
+    cfg: TrainConfig, env: parallel.DistEnv, started: float, callbacks: Sequence[Callable]
 ) -> dict[str, Any]:
     run = _setup(cfg, env)
     if run.start and run.is_main:
@@ -423,16 +430,22 @@ def _train(
     # Other ranks run the same loop (collectives) but log their records nowhere.
     main = run.is_main
     logger = MetricsLogger(
-        run.out if main else None, tensorboard=cfg.tensorboard and main,
-        callbacks=callbacks if main else (), device=run.device, append=run.start > 0,
+        run.out if main else None,
+        tensorboard=cfg.tensorboard and main,
+        callbacks=callbacks if main else (),
+        device=run.device,
+        append=run.start > 0,
         start_index=run.start,
-    )  # fmt: skip
+    )
+    if main:
+        (run.out / FINISHED_FILE).unlink(missing_ok=True)  # a resumed run is live again
     with logger:
         losses = _loop(run, logger)
-    summary = _summary(run, losses, started)
-    if run.is_main:
-        (run.out / "summary.json").write_text(
-            json.dumps(_jsonable(summary), indent=2, allow_nan=False) + "\n"
-        )
+        summary = _summary(run, losses, started)
+        if main:
+            (run.out / "summary.json").write_text(
+                json.dumps(_jsonable(summary), indent=2, allow_nan=False) + "\n"
+            )
+            logger.finish()
     _print_summary(summary)
     return summary

@@ -13,7 +13,8 @@ import sys
 import typing
 from collections.abc import Callable, Sequence
 
-from .checkpoint import CheckpointError
+from gradstep.checkpoint import CheckpointError
+
 from .config import ConfigError, TrainConfig, resolve
 from .data import DataError
 
@@ -93,7 +94,7 @@ def _add_report_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_report(args: argparse.Namespace) -> int:
-    from .report import ReportError, write_report  # deferred: matplotlib is optional
+    from gradstep.report import ReportError, write_report  # deferred: matplotlib is optional
 
     try:
         page = write_report(args.run_dirs, args.out)

@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._validate import check_choice
-from .clip import parse_clip
-from .distributed import STRATEGIES
-from .precision import PRECISIONS as _PRECISION_DTYPES
+from gradstep._validate import check_choice
+from gradstep.errors import GradstepError
+from gradstep.parallel import STRATEGIES
+from gradstep.policies import parse_clip, spec_help
+from gradstep.precision import PRECISIONS as _PRECISION_DTYPES
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -42,7 +43,7 @@ DEVICES = ("auto", "cpu", "cuda", "mps")
 RESUME_AUTO = "auto"  # bare `--resume`: the run folder's checkpoints/
 
 
-class ConfigError(ValueError):
+class ConfigError(GradstepError, ValueError):
     """A configuration value or key is invalid; the message names the parameter."""
 
 
@@ -65,11 +66,7 @@ class TrainConfig:
     micro_batch_size: int = _f(8, "sequences per micro-batch (what fits in memory)")
     accum_steps: int = _f(4, "micro-batches accumulated into one optimizer step")
     # the step
-    clip: str = _f(
-        "norm:1.0",
-        "gradient clipping: none, norm:MAX, value:V, zclip[:Z], autoclip[:PERCENTILE] or "
-        "agc[:RATIO] (agc leaves the output layer unclipped)",
-    )
+    clip: str = _f("norm:1.0", f"gradient clipping, one of: {spec_help()}")
     spike_guard: bool = _f(
         False, "skip the update when the grad norm spikes > 6 sigma (SpikeGuard, before --clip)"
     )

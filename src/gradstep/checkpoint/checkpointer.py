@@ -1,57 +1,16 @@
-"""Checkpoint and resume: exact, atomic, elastic.
+"""Save and load orchestration: :class:`Checkpointer` and what it hands back.
 
-``Checkpointer(directory, keep=3).save(step, model=..., optimizer=..., ...)`` writes one
-folder per checkpoint; ``load_latest(**same_names)`` restores the newest one that verifies.
-
-Layout of ``directory`` (one writer at a time)::
-
-    step-000120/                     one published checkpoint (never modified afterwards)
-        manifest.json                written last: metadata, non-tensor state, checksums
-        model.safetensors            single process: the module's state_dict (FQN keys)
-        optimizer.safetensors        single process: optimizer tensors, keyed by param FQN
-        objects.safetensors          tensors found in the other objects' state (if any)
-        dcp/                         several ranks: model + optimizer via
-                                     torch.distributed.checkpoint (one file per rank)
-        rng-rank00000.json           python / numpy / torch (CPU, CUDA) RNG of each rank
-    .tmp-step-000130/                a save in progress (ignored, removed by the next save)
-
-``manifest.json`` holds: format and version, step, world size, accumulation steps,
-micro-batch size, global batch, gradstep and torch versions, the size and sha256 of every
-other file, each object's non-tensor state as JSON (tensors are ``{"__gradstep__":
-"tensor", "key": K}`` references into the object's safetensors file; tuples, non-finite
-floats and dicts with non-string keys are tagged the same way, so the JSON is strict and
-round-trips exactly) and its own sha256 (``checksum``, over the canonical JSON of the rest).
-
-Why each rule exists:
-
-* Atomic: files go to ``.tmp-step-N``, are fsynced, then the manifest, then the folder is
-  fsynced and renamed to ``step-N`` (a single atomic rename) and the parent fsynced; only
-  then are old checkpoints pruned (renamed away first, so a half-deleted folder is never
-  visible). A process killed at any instant leaves every published checkpoint intact.
-* Verified: loading hashes every file against the manifest; a truncated or corrupted
-  checkpoint is reported in one warning line and the next older one is used.
-* Validated before modified: every tensor is read and the model/optimizer structure is
-  checked (missing, unexpected and mis-shaped keys, all listed) before anything is loaded;
-  other objects are rolled back if a later one refuses its state.
-* Elastic: several ranks save model and optimizer through DCP (any sharding, resharded on
-  load); other objects' state is taken from rank 0 (in gradstep it is identical on every
-  rank, and the data position is global). :func:`elastic_accum_steps` keeps the global
-  batch when the world size changes.
-* The optimizer is stored with parameter names, not indices, so a checkpoint survives
-  re-wrapping (DDP, FSDP2, ``torch.compile``). Locally the name mapping is done here
-  rather than with ``get_optimizer_state_dict``: that function initialises an empty
-  optimizer by running a zero-lr ``step()``, which would turn a fresh AdamW into one at
-  step 1 and break an exact resume from a step-0 checkpoint.
+Which object goes where (model and optimizer through :mod:`.state`, the rest through
+:mod:`.codec`, RNG through :mod:`.rng`), in which order, and on which rank. The folder
+protocol itself (temporary folder, manifest, rename, prune, verify) is :mod:`.layout`.
 """
 
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import time
 from collections.abc import Callable
@@ -62,21 +21,31 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _checkpoint_state as st
-from . import distributed as dist_env
-from ._checkpoint_state import CheckpointError
-from ._validate import check_int
+from .._validate import check_int
+from .._version import __version__
+from ..parallel import collectives
 
-__all__ = ["CheckpointError", "CheckpointInfo", "Checkpointer", "elastic_accum_steps"]
+# The protocol's steps are called through the module, not imported by name, so that the
+# SIGKILL tests (tests/checkpoint_kill_child.py) can hook each one.
+from . import layout
+from .codec import decode, encode, read_tensor_file, write_tensor_file
+from .errors import CheckpointError
+from .rng import rng_file, rng_state, set_rng_state
+from .state import (
+    dcp_prepare,
+    dcp_save,
+    file_prepare,
+    load_optim_full,
+    local_optim_state,
+    optim_problems,
+    param_fqns,
+    uses_dcp,
+)
 
-logger = logging.getLogger(__name__)
+__all__ = ["CheckpointInfo", "Checkpointer", "NamedObject", "elastic_accum_steps"]
 
-FORMAT = "gradstep-checkpoint"
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
-_LEFTOVER = re.compile(r"^\.(tmp|trash)-step-\d+$")
-_REPLACED = re.compile(r"^\.replaced-(step-\d+)$")
+# The package's name, as before the split: where users and tests configure its warnings.
+logger = logging.getLogger("gradstep.checkpoint")
 
 
 def elastic_accum_steps(accum_steps: int, saved_world_size: int, world_size: int) -> int:
@@ -128,129 +97,30 @@ class CheckpointInfo:
         return elastic_accum_steps(int(self.accum_steps), self.world_size, world_size)
 
 
-# ----------------------------------------------------------------- the atomic protocol
+@dataclass(frozen=True)
+class NamedObject:
+    """One keyword argument of ``save``/``load``: the name it is stored under, and the object."""
+
+    name: str
+    obj: Any
 
 
-def _canonical(obj: Any) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
-
-
-def _write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
-    body = {**manifest, "checksum": hashlib.sha256(_canonical(manifest)).hexdigest()}
-    st.write_bytes(folder / MANIFEST, json.dumps(body, sort_keys=True, indent=1).encode() + b"\n")
-
-
-def _file_table(folder: Path) -> dict[str, dict[str, Any]]:
-    """Size and sha256 of every file under ``folder`` (DCP's hidden ``.metadata`` included)."""
-    table = {}
-    for root, _, files in os.walk(folder):
-        for name in files:
-            path = Path(root, name)
-            rel = path.relative_to(folder).as_posix()
-            if rel != MANIFEST:
-                table[rel] = {"bytes": path.stat().st_size, "sha256": st.file_sha256(path)}
-    return dict(sorted(table.items()))
-
-
-def _publish(tmp: Path, final: Path) -> None:
-    """Make a complete, fsynced folder visible under its final name in one rename.
-
-    Saving a step that exists replaces it: the old copy is renamed to ``.replaced-step-N``
-    first, and stays loadable under that name until the new one is in place.
-    """
-    replaced = final.with_name(f".replaced-{final.name}")
-    if final.exists():
-        shutil.rmtree(replaced, ignore_errors=True)
-        os.rename(final, replaced)
-    os.rename(tmp, final)
-    st.fsync(final.parent)
-    shutil.rmtree(replaced, ignore_errors=True)
-
-
-def _recover(directory: Path) -> None:
-    """Tidy what a killed save left: partial folders go, a replaced step is put back."""
-    for path in directory.iterdir():
-        if _LEFTOVER.match(path.name):
-            shutil.rmtree(path, ignore_errors=True)
-        elif m := _REPLACED.match(path.name):
-            original = path.with_name(m.group(1))
-            if original.exists():  # the replacement was published: the old copy can go
-                shutil.rmtree(path, ignore_errors=True)
-            else:  # killed between the two renames of _publish: restore the old copy
-                os.rename(path, original)
-    st.fsync(directory)
-
-
-def _step_dirs(directory: Path) -> list[tuple[int, Path]]:
-    """Published checkpoint folders, newest first (not verified)."""
-    if not directory.is_dir():
-        return []
-    found: dict[int, Path] = {}
-    for path in sorted(directory.iterdir(), key=lambda p: p.name.startswith(".")):
-        m = _STEP_DIR.match(path.name) or _REPLACED.match(path.name)
-        if m and path.is_dir():
-            found.setdefault(int(m.group(1).removeprefix("step-")), path)
-    return sorted(found.items(), reverse=True)
-
-
-def _prune(directory: Path, keep: int) -> None:
-    """Drop all but the ``keep`` newest: rename away (atomic), fsync, then delete."""
-    trash = []
-    for n, path in _step_dirs(directory)[keep:]:
-        # Named by step (not by folder: a ``.replaced-`` folder would not match _LEFTOVER),
-        # so a kill during the delete leaves something the next save cleans up.
-        target = directory / f".trash-step-{n:06d}"
-        shutil.rmtree(target, ignore_errors=True)
-        os.rename(path, target)
-        trash.append(target)
-    if trash:
-        st.fsync(directory)
-    for target in trash:
-        shutil.rmtree(target, ignore_errors=True)
-
-
-def _verify(folder: Path) -> tuple[dict[str, Any] | None, str | None]:
-    """(manifest, None) when every file matches its checksum, else (None, the reason)."""
-    try:
-        raw = json.loads((folder / MANIFEST).read_bytes())
-    except FileNotFoundError:
-        return None, f"{MANIFEST} is missing (the save did not finish)"
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        return None, f"{MANIFEST} is not valid JSON ({exc})"
-    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
-        return None, f"{MANIFEST} is not a {FORMAT} manifest"
-    checksum = raw.pop("checksum", None)
-    if hashlib.sha256(_canonical(raw)).hexdigest() != checksum:
-        return None, f"{MANIFEST} does not match its checksum (corrupted)"
-    if raw.get("format_version", 0) > FORMAT_VERSION:
-        return None, f"format version {raw['format_version']} is newer than this gradstep's"
-    for name, meta in raw["files"].items():
-        path = folder / name
-        if not path.is_file():
-            return None, f"{name} is missing"
-        size = path.stat().st_size
-        if size != meta["bytes"]:
-            return None, f"{name} is truncated or resized ({size} of {meta['bytes']} bytes)"
-        if st.file_sha256(path) != meta["sha256"]:
-            return None, f"{name} does not match its sha256 checksum (corrupted)"
-    return raw, None
-
-
-# ------------------------------------------------------------------------ the Checkpointer
-
-
-def _classify(stateful: dict[str, Any]) -> tuple[tuple | None, tuple | None, dict[str, Any]]:
+def _classify(
+    stateful: dict[str, Any],
+) -> tuple[NamedObject | None, NamedObject | None, dict[str, Any]]:
     """Split the keyword objects into (model), (optimizer) and the rest, checking each."""
-    modules = [(n, o) for n, o in stateful.items() if isinstance(o, nn.Module)]
-    optims = [(n, o) for n, o in stateful.items() if isinstance(o, torch.optim.Optimizer)]
+    modules = [NamedObject(n, o) for n, o in stateful.items() if isinstance(o, nn.Module)]
+    optims = [
+        NamedObject(n, o) for n, o in stateful.items() if isinstance(o, torch.optim.Optimizer)
+    ]
     if len(modules) > 1 or len(optims) > 1:
         raise CheckpointError(
             "a checkpoint holds at most one nn.Module and one Optimizer; got modules "
-            f"{[n for n, _ in modules]} and optimizers {[n for n, _ in optims]}"
+            f"{[m.name for m in modules]} and optimizers {[o.name for o in optims]}"
         )
     if optims and not modules:
         raise CheckpointError("an optimizer needs its model in the same call (parameter names)")
-    special = {n for n, _ in modules + optims}
+    special = {named.name for named in modules + optims}
     others = {n: o for n, o in stateful.items() if n not in special}
     for name, obj in others.items():
         if not (
@@ -317,67 +187,72 @@ class Checkpointer:
         model, optimizer, others = _classify(stateful)
         final = self.directory / f"step-{step:06d}"
         tmp = self.directory / f".tmp-{final.name}"
-        rank = dist_env.rank()
+        rank = collectives.rank()
         if rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
-            _recover(self.directory)
+            layout._recover(self.directory)
             tmp.mkdir()
-        st.barrier()
+        collectives.barrier()
         try:
             written = self._write_state(tmp, model, optimizer, others)
             if self.rng:
-                rng = json.dumps(st.encode(st.rng_state(), "rng", {})).encode()
-                st.write_bytes(tmp / st.rng_file(rank), rng)
-            st.barrier()
+                rng = json.dumps(encode(rng_state(), "rng", {})).encode()
+                layout.write_bytes(tmp / rng_file(rank), rng)
+            collectives.barrier()
             if rank == 0:
-                _write_manifest(tmp, self._manifest(step, tmp, *written))
-                st.fsync(tmp)
-                _publish(tmp, final)
-                _prune(self.directory, self.keep)
+                layout._write_manifest(tmp, self._manifest(step, tmp, *written))
+                layout.fsync(tmp)
+                layout._publish(tmp, final)
+                layout._prune(self.directory, self.keep)
         except BaseException:
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
-        st.barrier()
+        collectives.barrier()
         return final
 
     def _write_state(
-        self, tmp: Path, model: tuple | None, optimizer: tuple | None, others: dict[str, Any]
+        self,
+        tmp: Path,
+        model: NamedObject | None,
+        optimizer: NamedObject | None,
+        others: dict[str, Any],
     ) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """Write every object's state into ``tmp``; return the manifest's ``objects`` entries
         and where the other objects' tensors went."""
         objects: dict[str, Any] = {}
         object_tensors = None
-        main = dist_env.rank() == 0
+        main = collectives.rank() == 0
         if model is not None:
-            (mname, module), optim = model, optimizer[1] if optimizer else None
+            module = model.obj
+            optim = optimizer.obj if optimizer is not None else None
             in_dcp = False
-            if st.uses_dcp(module):
-                in_dcp = st.dcp_save(tmp, module, optim)
-                objects[mname] = {"kind": "module", "store": "dcp"}
+            if uses_dcp(module):
+                in_dcp = dcp_save(tmp, module, optim)
+                objects[model.name] = {"kind": "module", "store": "dcp"}
             elif main:
-                aliases = st.write_tensor_file(
-                    tmp / "model.safetensors", st.unwrap(module).state_dict()
+                aliases = write_tensor_file(
+                    tmp / "model.safetensors", collectives.unwrap(module).state_dict()
                 )
-                objects[mname] = {
+                objects[model.name] = {
                     "kind": "module",
                     "store": "file",
                     "file": "model.safetensors",
                     "aliases": aliases,
                 }
             if optimizer is not None and in_dcp:
-                objects[optimizer[0]] = {"kind": "optimizer", "store": "dcp"}
+                objects[optimizer.name] = {"kind": "optimizer", "store": "dcp"}
             elif optimizer is not None and main:
-                objects[optimizer[0]] = self._optimizer_entry(tmp, module, optim)
+                objects[optimizer.name] = self._optimizer_entry(tmp, module, optim)
         if main and others:
             tensors: dict[str, torch.Tensor] = {}
             for name, obj in others.items():
                 objects[name] = {
                     "kind": "object",
-                    "state": st.encode(obj.state_dict(), name, tensors),
+                    "state": encode(obj.state_dict(), name, tensors),
                 }
             if tensors:
-                aliases = st.write_tensor_file(tmp / "objects.safetensors", tensors)
+                aliases = write_tensor_file(tmp / "objects.safetensors", tensors)
                 object_tensors = {"file": "objects.safetensors", "aliases": aliases}
         return objects, object_tensors
 
@@ -385,22 +260,20 @@ class Checkpointer:
     def _optimizer_entry(tmp: Path, module: nn.Module, optim: torch.optim.Optimizer) -> dict:
         """Name-keyed optimizer state: tensors in a file, the rest in the manifest."""
         tensors: dict[str, torch.Tensor] = {}
-        state = st.encode(st.local_optim_state(module, optim), "", tensors)
+        state = encode(local_optim_state(module, optim), "", tensors)
         entry: dict[str, Any] = {"kind": "optimizer", "store": "file", "state": state}
         if tensors:
-            entry["aliases"] = st.write_tensor_file(tmp / "optimizer.safetensors", tensors)
+            entry["aliases"] = write_tensor_file(tmp / "optimizer.safetensors", tensors)
             entry["file"] = "optimizer.safetensors"
         return entry
 
     def _manifest(
         self, step: int, tmp: Path, objects: dict[str, Any], object_tensors: dict | None
     ) -> dict[str, Any]:
-        from . import __version__
-
-        world, k, mbs = dist_env.world_size(), self.accum_steps, self.micro_batch_size
+        world, k, mbs = collectives.world_size(), self.accum_steps, self.micro_batch_size
         return {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
+            "format": layout.FORMAT,
+            "format_version": layout.FORMAT_VERSION,
             "step": step,
             "world_size": world,
             "accum_steps": k,
@@ -412,14 +285,14 @@ class Checkpointer:
             "created_unix": time.time(),
             "objects": objects,
             "object_tensors": object_tensors,
-            "files": _file_table(tmp),
+            "files": layout._file_table(tmp),
         }
 
     # ---------------------------------------------------------------------------- load
 
     def checkpoints(self) -> list[Path]:
         """Published checkpoint folders, newest first (not verified)."""
-        return [path for _, path in _step_dirs(self.directory)]
+        return [path for _, path in layout._step_dirs(self.directory)]
 
     def latest(self) -> CheckpointInfo | None:
         """The newest checkpoint whose files all match their checksums, or None.
@@ -428,8 +301,8 @@ class Checkpointer:
         warning line and the next older one is tried. With several ranks this is collective:
         rank 0 verifies and every rank gets its choice.
         """
-        choice = self._newest_valid() if dist_env.rank() == 0 else None
-        choice = st.from_rank0(choice)
+        choice = self._newest_valid() if collectives.rank() == 0 else None
+        choice = collectives.broadcast_from_rank0(choice)
         if choice is None:
             return None
         name, manifest = choice
@@ -437,8 +310,8 @@ class Checkpointer:
 
     def _newest_valid(self) -> tuple[str, dict[str, Any]] | None:
         bad, found = [], None
-        for _, path in _step_dirs(self.directory):
-            manifest, problem = _verify(path)
+        for _, path in layout._step_dirs(self.directory):
+            manifest, problem = layout._verify(path)
             if manifest is not None:
                 found = (path.name, manifest)
                 break
@@ -468,12 +341,22 @@ class Checkpointer:
             raise CheckpointError("load needs the objects to restore, by the names used in save")
         if not isinstance(checkpoint, CheckpointInfo):
             path = Path(checkpoint)
-            manifest, problem = st.from_rank0(_verify(path) if dist_env.rank() == 0 else None)
+            verdict = layout._verify(path) if collectives.rank() == 0 else None
+            manifest, problem = collectives.broadcast_from_rank0(verdict)
             if manifest is None:
                 raise CheckpointError(f"checkpoint {path} is unusable: {problem}")
             checkpoint = CheckpointInfo(int(manifest["step"]), path, manifest)
         _restore(checkpoint, stateful, strict, self.rng)
         return checkpoint.step
+
+
+def _kind(obj: Any) -> str:
+    """The ``kind`` a manifest entry records for ``obj``."""
+    if isinstance(obj, nn.Module):
+        return "module"
+    if isinstance(obj, torch.optim.Optimizer):
+        return "optimizer"
+    return "object"
 
 
 def _check_names(info: CheckpointInfo, stateful: dict[str, Any], strict: bool) -> None:
@@ -490,11 +373,7 @@ def _check_names(info: CheckpointInfo, stateful: dict[str, Any], strict: bool) -
             f"restore only {sorted(stateful)}"
         )
     for name, obj in stateful.items():
-        kind = (
-            "module" if isinstance(obj, nn.Module)
-            else "optimizer" if isinstance(obj, torch.optim.Optimizer)
-            else "object"
-        )  # fmt: skip
+        kind = _kind(obj)
         if entries[name]["kind"] != kind:
             raise CheckpointError(
                 f"checkpoint {info.path}: {name!r} was saved as kind {entries[name]['kind']!r}, "
@@ -503,30 +382,31 @@ def _check_names(info: CheckpointInfo, stateful: dict[str, Any], strict: bool) -
 
 
 def _prepare_tensors(
-    info: CheckpointInfo, model: tuple | None, optimizer: tuple | None
+    info: CheckpointInfo, model: NamedObject | None, optimizer: NamedObject | None
 ) -> Callable[[], None]:
     """Read and validate model + optimizer state, modifying nothing; return the loader."""
     if model is None:
         return lambda: None
-    (mname, module), optim = model, optimizer[1] if optimizer else None
+    module = model.obj
+    optim = optimizer.obj if optimizer is not None else None
     entries = info.manifest["objects"]
-    oentry = entries[optimizer[0]] if optimizer else None
-    if entries[mname]["store"] == "dcp":
+    oentry = entries[optimizer.name] if optimizer is not None else None
+    if entries[model.name]["store"] == "dcp":
         optim_in_dcp = oentry is not None and oentry["store"] == "dcp"
-        problems, load_model = st.dcp_prepare(info.path, module, optim, optim_in_dcp)
+        problems, load_model = dcp_prepare(info.path, module, optim, optim_in_dcp)
     else:
-        problems, load_model = st.file_prepare(info.path, entries[mname], module)
+        problems, load_model = file_prepare(info.path, entries[model.name], module)
     saved_optim = None
     if optim is not None and oentry is not None and oentry["store"] == "file":
         tensors = (
-            st.read_tensor_file(info.path / oentry["file"], oentry["aliases"])
+            read_tensor_file(info.path / oentry["file"], oentry["aliases"])
             if "file" in oentry
             else {}
         )
-        saved_optim = st.decode(oentry["state"], tensors)
-        problems += st.optim_problems(saved_optim, st.param_fqns(module, optim))
+        saved_optim = decode(oentry["state"], tensors)
+        problems += optim_problems(saved_optim, param_fqns(module, optim))
     if problems:
-        names = mname + (f" / {optimizer[0]}" if optimizer else "")
+        names = model.name + (f" / {optimizer.name}" if optimizer is not None else "")
         raise CheckpointError(
             f"checkpoint {info.path} does not fit {names}: {'; '.join(problems)}. "
             "Nothing was loaded."
@@ -535,7 +415,7 @@ def _prepare_tensors(
     def load() -> None:
         load_model()
         if saved_optim is not None:
-            st.load_optim_full(module, optim, saved_optim)
+            load_optim_full(module, optim, saved_optim)
 
     return load
 
@@ -545,13 +425,13 @@ def _restore(info: CheckpointInfo, stateful: dict[str, Any], strict: bool, rng: 
     model, optimizer, others = _classify(stateful)
     _check_names(info, stateful, strict)
     entries, blob = info.manifest["objects"], info.manifest.get("object_tensors")
-    tensors = st.read_tensor_file(info.path / blob["file"], blob["aliases"]) if blob else {}
-    states = {name: st.decode(entries[name]["state"], tensors) for name in others}
+    tensors = read_tensor_file(info.path / blob["file"], blob["aliases"]) if blob else {}
+    states = {name: decode(entries[name]["state"], tensors) for name in others}
     load_tensors = _prepare_tensors(info, model, optimizer)
-    rng_file = st.rng_file(dist_env.rank())
-    rng_state = None
-    if rng and rng_file in info.manifest["files"]:
-        rng_state = st.decode(json.loads((info.path / rng_file).read_bytes()), {})
+    rng_name = rng_file(collectives.rank())
+    saved_rng = None
+    if rng and rng_name in info.manifest["files"]:
+        saved_rng = decode(json.loads((info.path / rng_name).read_bytes()), {})
     done: list[tuple[Any, Any]] = []
     try:
         for name, obj in others.items():
@@ -569,5 +449,5 @@ def _restore(info: CheckpointInfo, stateful: dict[str, Any], strict: bool, rng: 
         for obj, backup in reversed(done):
             obj.load_state_dict(backup)
         raise
-    if rng_state is not None:
-        st.set_rng_state(rng_state)
+    if saved_rng is not None:
+        set_rng_state(saved_rng)

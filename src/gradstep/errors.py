@@ -1,0 +1,18 @@
+"""The error types gradstep raises, under one base so callers can catch them together.
+
+Each specific error also derives from the built-in it refines (``ValueError`` for bad
+input, ``NotImplementedError`` for a setup gradstep does not support), so code written
+against the built-ins keeps working.
+"""
+
+from __future__ import annotations
+
+__all__ = ["GradstepError", "UnsupportedSetup"]
+
+
+class GradstepError(Exception):
+    """Base of every error gradstep raises on purpose."""
+
+
+class UnsupportedSetup(GradstepError, NotImplementedError):
+    """A parallel layout or model gradstep cannot keep exact (e.g. tensor parallel meshes)."""

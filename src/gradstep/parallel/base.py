@@ -1,0 +1,145 @@
+"""The strategy protocol: what the step asks of a parallel layout, and nothing more.
+
+A strategy answers five questions for :class:`gradstep.Stepper`: a context that turns
+gradient sync on or off for one micro-batch, the factor by which the backend already
+divided the gradients (DDP and FSDP2 average over ranks), a sum over the data-parallel
+ranks of a few scalars, the global norm of the (possibly sharded) gradients, and whether
+the forward pass itself runs collectives (then every rank's window length is compared
+before the first forward). Everything DDP- or FSDP-specific lives in its own file.
+
+Item counts are summed over the strategy's data-parallel group (``dp_group``; None is the
+whole default group): ranks that hold no distinct data (tensor or pipeline peers) must not
+be counted twice. A tensor-parallel strategy is a new file here that sets ``dp_group`` and
+reduces the norm over its model-parallel dimensions too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["Strategy", "local_norm", "window_length_error"]
+
+
+@runtime_checkable
+class Strategy(Protocol):
+    name: str
+    """Short name, as in ``prepare_model(model, strategy=...)`` ("none", "ddp", "fsdp")."""
+    world_size: int
+    """Ranks in the data-parallel group (1 on a single process)."""
+    dp_group: Any
+    """The data-parallel process group (None: the default group, or no group at all)."""
+    distributed: bool
+    """True when gradients are reduced by a backend (DDP, FSDP2)."""
+    forward_communicates: bool
+    """True when the forward pass runs collectives (FSDP2 all-gathers parameters): ranks
+    with different window lengths would then pair unrelated collectives and hang, so the
+    lengths must be compared with :meth:`check_window` before the first forward."""
+
+    def sync(self, enabled: bool) -> contextlib.AbstractContextManager[None]:
+        """Context for one micro-batch's forward AND backward; sync only when ``enabled``."""
+        ...
+
+    @property
+    def grad_divisor(self) -> float:
+        """What the backend divided the summed gradients by (1 when it sums)."""
+        ...
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum a small tensor over the data-parallel ranks (identity on one process)."""
+        ...
+
+    def total_norm(self, grads: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
+        """Norm of all gradients on all ranks/shards, identical on every rank."""
+        ...
+
+    def check_window(self, n: int) -> None:
+        """Raise on every rank unless every rank passes ``n`` micro-batches (one collective)."""
+        ...
+
+    def discard_partial_grads(self) -> None:
+        """Forget gradients a failed window accumulated outside ``param.grad``."""
+        ...
+
+
+def window_length_error(n: int, n_sum: float, n2_sum: float, world: int) -> RuntimeError | None:
+    """The error for ranks whose windows differ, from sums over ranks of n and n^2.
+
+    All n equal <=> world * sum(n^2) == sum(n)^2 (Cauchy-Schwarz), so one sum-reduction of
+    two numbers tells every rank the same thing.
+    """
+    if n2_sum * world == n_sum * n_sum:
+        return None
+    return RuntimeError(
+        f"ranks ran windows of different lengths (this rank: {n} micro-batches, mean over "
+        f"{world} ranks: {n_sum / world:g}); every rank must pass the same number of "
+        "micro-batches to Stepper.step"
+    )
+
+
+def local_norm(grads: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """Norm of this process's gradient tensors (a DTensor with Partial placement for shards)."""
+    if not grads:
+        return torch.zeros(())
+    return torch.nn.utils.get_total_norm(list(grads), norm_type=norm_type, foreach=None)
+
+
+class ProcessGroupStrategy:
+    """What every strategy on a process group shares: the group, its size, the collectives.
+
+    ``dp_group`` None means the default group: pure data parallelism over every rank.
+    """
+
+    name = "group"
+    distributed = True
+
+    def __init__(self, dp_group: Any = None) -> None:
+        from ..errors import UnsupportedSetup
+        from . import collectives
+
+        if not collectives.is_initialized():
+            raise RuntimeError(
+                "a DDP/FSDP model was given but torch.distributed is not initialised; "
+                "call gradstep.parallel.init() (or dist.init_process_group) first"
+            )
+        import torch.distributed as dist
+
+        self.dp_group = dp_group
+        self.world_size = dist.get_world_size(dp_group)
+        if dp_group is not None and self.world_size != dist.get_world_size():
+            raise UnsupportedSetup(
+                f"dp_group spans {self.world_size} of {dist.get_world_size()} ranks; the "
+                "built-in strategies are data parallel over the whole default group"
+            )
+
+    @property
+    def grad_divisor(self) -> float:
+        return float(self.world_size)
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        from .collectives import all_reduce_sum
+
+        return all_reduce_sum(t, self.dp_group)
+
+    def check_window(self, n: int) -> None:
+        local = torch.tensor([float(n), float(n * n)], dtype=torch.float64)
+        n_sum, n2_sum = self.all_reduce_sum(local).tolist()
+        error = window_length_error(n, n_sum, n2_sum, self.world_size)
+        if error is not None:
+            raise error
+
+    def discard_partial_grads(self) -> None:
+        return None  # DDP's no_sync accumulates in param.grad, which zero_grad clears
+
+    def _check_group_size(self, size: int, what: str) -> None:
+        from ..errors import UnsupportedSetup
+
+        if size != self.world_size:
+            raise UnsupportedSetup(
+                f"{what} spans {size} of {self.world_size} ranks; gradstep supports data "
+                "parallelism over the whole default process group only (item counts are "
+                "summed over every rank)"
+            )

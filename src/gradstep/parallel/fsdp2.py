@@ -1,0 +1,80 @@
+"""FSDP2 (``fully_shard``): gradients are DTensor shards, reduce-scattered on sync."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import nn
+
+from .base import ProcessGroupStrategy, local_norm
+
+__all__ = ["FSDP2Strategy"]
+
+
+class FSDP2Strategy(ProcessGroupStrategy):
+    name = "fsdp"
+    # Every forward all-gathers the parameters of each FSDP module.
+    forward_communicates = True
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        from torch.distributed.tensor import DTensor
+
+        self.model = model
+        for p in model.parameters():
+            if isinstance(p, DTensor):
+                self._check_group_size(p.device_mesh.size(), "the FSDP2 device mesh")
+
+    @staticmethod
+    def detects(model: nn.Module) -> bool:
+        try:
+            from torch.distributed.fsdp import FSDPModule
+        except ImportError:  # pragma: no cover - torch without FSDP2
+            return False
+        return isinstance(model, FSDPModule)
+
+    @contextlib.contextmanager
+    def sync(self, enabled: bool) -> Iterator[None]:
+        # FSDP2 has no no_sync context; the flag is set on every FSDP module (recurse) and
+        # must be in place before the forward pass of the micro-batch. It is restored even
+        # when the micro-batch raises: a user's own backward afterwards (an error handler,
+        # evaluation with grads) must reduce-scatter as usual.
+        self.model.set_requires_gradient_sync(enabled)  # type: ignore[operator]
+        try:
+            yield
+        finally:
+            if not enabled:
+                self.model.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+    def discard_partial_grads(self) -> None:
+        """Drop the unreduced gradients of micro-batches that ran without sync.
+
+        Under ``set_requires_gradient_sync(False)`` FSDP2 accumulates unsharded gradients
+        inside each parameter group, where ``optimizer.zero_grad`` cannot reach; after a
+        failed window they would be added into the next synchronised backward. FSDP2 has
+        no public call for this (torch 2.13), so the two fields its post-backward reads
+        are cleared here, and only here.
+        """
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self.model.modules():
+            if not isinstance(module, FSDPModule):
+                continue
+            group = module._get_fsdp_state()._fsdp_param_group
+            for fsdp_param in group.fsdp_params if group is not None else ():
+                fsdp_param.unsharded_accumulated_grad = None
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                if unsharded is not None:
+                    unsharded.grad = None
+
+    def total_norm(self, grads: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
+        # Norms of DTensor shards come back as a DTensor with a Partial placement;
+        # full_tensor() performs the cross-shard reduction (sum of p-th powers, or max).
+        from torch.distributed.tensor import DTensor
+
+        norm = local_norm(grads, norm_type)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        return norm

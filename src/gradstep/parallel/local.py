@@ -1,0 +1,38 @@
+"""A single process: nothing to synchronise, nothing to reduce."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+import torch
+
+from .base import local_norm
+
+__all__ = ["LocalStrategy"]
+
+
+class LocalStrategy:
+    """One process holding the whole model and its own data."""
+
+    name = "none"
+    world_size = 1
+    dp_group = None
+    distributed = False
+    grad_divisor = 1.0
+    forward_communicates = False
+
+    def sync(self, enabled: bool) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def total_norm(self, grads: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
+        return local_norm(grads, norm_type)
+
+    def check_window(self, n: int) -> None:
+        return None
+
+    def discard_partial_grads(self) -> None:
+        return None

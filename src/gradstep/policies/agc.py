@@ -1,0 +1,188 @@
+"""Adaptive Gradient Clipping (Brock et al. 2021, NFNets): unit-wise, against the weights."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._validate import check_positive
+from ..errors import UnsupportedSetup
+from ..parallel import collectives
+from .base import ClipResult, GradientView
+from .registry import register
+
+__all__ = ["AGC", "find_output_layer"]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (a view: in-place edits reach the DTensor)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _shard_groups(tensors: Sequence[torch.Tensor]) -> list[Any]:
+    """Process groups over which per-tensor sums must be reduced (FSDP2: the shard dims).
+
+    Supported: DTensors sharded on dim 0 (FSDP2, HSDP) on one shared mesh. A unit (row) of a
+    dim-0-sharded matrix lives on one rank, so only whole-tensor norms need a reduction.
+    """
+    dts = [t for t in tensors if hasattr(t, "device_mesh")]
+    if not dts:
+        return []
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh, placements = dts[0].device_mesh, tuple(dts[0].placements)
+    for t in dts:
+        if t.device_mesh != mesh or tuple(t.placements) != placements:
+            raise UnsupportedSetup(
+                "AGC supports DTensor parameters on one device mesh with identical "
+                f"placements; got {placements} and {tuple(t.placements)}"
+            )
+    for pl in placements:
+        if not (isinstance(pl, Replicate) or (isinstance(pl, Shard) and pl.dim == 0)):
+            raise UnsupportedSetup(
+                f"AGC supports Shard(0)/Replicate placements (FSDP2, HSDP), got {placements}"
+            )
+    return [mesh.get_group(i) for i, pl in enumerate(placements) if isinstance(pl, Shard)]
+
+
+def _norm(t: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """2-norm computed in at least float32 (bf16 sums of squares lose too much)."""
+    dtype = torch.promote_types(t.dtype, torch.float32)
+    return torch.linalg.vector_norm(t, dim=dim, dtype=dtype)
+
+
+def _unit_coefs(w: torch.Tensor, g: torch.Tensor, clipping: float, eps: float) -> torch.Tensor:
+    """Per-row factor min(1, clipping * max(||W_i||, eps) / ||G_i||)."""
+    return _coef_from_norms(_norm(w.flatten(1), 1), _norm(g.flatten(1), 1), clipping, eps)
+
+
+def _coef_from_norms(
+    w_norm: torch.Tensor, g_norm: torch.Tensor, clipping: float, eps: float
+) -> torch.Tensor:
+    max_norm = clipping * w_norm.clamp_min(eps)
+    # g_norm > max_norm > 0 where it is used, so the division is safe.
+    return torch.where(g_norm > max_norm, max_norm / g_norm, torch.ones_like(g_norm))
+
+
+@torch.no_grad()
+def _clip_unitwise(
+    pairs: Sequence[tuple[nn.Parameter, torch.Tensor]], clipping: float, eps: float
+) -> int:
+    """Clip every unit in place; return how many units were clipped (on all ranks).
+
+    One host sync at the end (the count), so on a GPU the loop only queues kernels.
+    """
+    groups = _shard_groups([p for p, _ in pairs])
+    device = _local(pairs[0][1]).device if pairs else torch.device("cpu")
+    count = torch.zeros((), dtype=torch.float64, device=device)
+    whole: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for p, g in pairs:
+        w, gl = _local(p.detach()), _local(g)
+        if p.dim() > 1:
+            coef = _unit_coefs(w, gl, clipping, eps)
+            count += (coef < 1).sum()
+            gl.mul_(coef.to(gl.dtype).view(-1, *([1] * (gl.dim() - 1))))
+        else:
+            whole.append((w, gl))
+    # Whole-tensor norms (biases, norm gains, scalars) of sharded tensors need every shard:
+    # one all-reduce of [sum w^2, sum g^2 for each tensor, units clipped so far].
+    sums = [_norm(t).square().to(torch.float64) for wg in whole for t in wg]
+    stacked = torch.stack([*sums, count])
+    for group in groups:
+        stacked = collectives.all_reduce_sum(stacked, group)
+    count = stacked[-1]
+    if whole:
+        norms = stacked[:-1].sqrt().view(-1, 2)
+        coefs = _coef_from_norms(norms[:, 0], norms[:, 1], clipping, eps)
+        count = count + (coefs < 1).sum()
+        for (_, gl), c in zip(whole, coefs, strict=True):
+            gl.mul_(c.to(gl.dtype))  # c == 1 leaves it unchanged; no sync to test it
+    return int(count)
+
+
+class AGC:
+    """Adaptive Gradient Clipping (Brock et al. 2021, NFNets), unit-wise.
+
+    For each unit i (row of a Linear weight, output channel of a conv, row of an embedding):
+    if ||G_i|| / max(||W_i||, eps) > clipping, G_i <- clipping * max(||W_i||, eps) / ||G_i|| * G_i.
+    Tensors with <= 1 dimension (biases, norm gains) are one unit. The paper does not clip
+    the final classifier: pass its parameter names in ``exclude``, e.g.
+    ``AGC(exclude=gradstep.find_output_layer(model))``. Names are checked against the
+    model on the first step, so a typo fails instead of silently clipping everything.
+
+    Works on plain, DDP and FSDP2 (dim-0 sharded DTensor) models, and on low-precision
+    parameters whose gradients accumulate in fp32 buffers (it clips the buffers, before the
+    single rounding), through ``ClipContext.named_grads``.
+    ``StepStats.policies`` reports ``threshold = clipping`` (a ratio, not a norm).
+    """
+
+    def __init__(self, clipping: float = 0.01, eps: float = 1e-3, exclude: Iterable[str] = ()):
+        self.clipping = check_positive("clipping", clipping, "AGC")
+        self.eps = check_positive("eps", eps, "AGC")
+        exclude = exclude if isinstance(exclude, str) else list(exclude)  # a generator once
+        if isinstance(exclude, str) or not all(isinstance(n, str) for n in exclude):
+            raise TypeError(
+                f"AGC: exclude must be a list of parameter names (str), got {exclude!r}"
+            )
+        self.exclude = frozenset(exclude)
+        self.clipped_units = 0
+        """Units clipped on the last step (over all ranks)."""
+
+    def __repr__(self) -> str:
+        return f"AGC(clipping={self.clipping}, eps={self.eps}, exclude={sorted(self.exclude)})"
+
+    def clip(self, ctx: GradientView) -> ClipResult:
+        unknown = self.exclude - {name for name, _ in ctx.params}
+        if unknown:
+            raise ValueError(
+                f"AGC: exclude names {sorted(unknown)} are not trainable parameters of the "
+                "model; use the names of model.named_parameters() (see find_output_layer)"
+            )
+        pairs = [(p, g) for name, p, g in ctx.named_grads() if name not in self.exclude]
+        self.clipped_units = _clip_unitwise(pairs, self.clipping, self.eps)
+        acted = self.clipped_units > 0
+        return ClipResult(threshold=self.clipping, acted=acted, inplace=acted)
+
+
+def find_output_layer(model: nn.Module) -> list[str]:
+    """Parameter names of the model's final classifier / output projection, for AGC.
+
+    Looks for, in order: ``get_output_embeddings()`` (Hugging Face models),
+    ``get_classifier()`` (timm models), else the last ``nn.Linear`` or conv layer in
+    registration order (``lm_head``, ``fc``, ``classifier``). Names are those of
+    ``model.named_parameters()`` as the Stepper sees them (a DDP wrapper's ``module.``
+    prefix included); a weight tied to the input embedding is reported under its first
+    name, e.g. ``embed.weight``, since it is one tensor with one gradient.
+    """
+    inner = collectives.unwrap(model)
+    layer = None
+    for getter in ("get_output_embeddings", "get_classifier"):
+        found = getattr(inner, getter, None)
+        found = found() if callable(found) else None
+        if isinstance(found, nn.Module) and any(True for _ in found.parameters()):
+            layer = found
+            break
+    if layer is None:
+        kinds = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+        layers = [m for m in inner.modules() if isinstance(m, kinds)]
+        if not layers:
+            raise ValueError(
+                "find_output_layer: the model has no Linear or Conv layer; pass AGC's exclude "
+                "names explicitly"
+            )
+        layer = layers[-1]
+    wanted = {id(p) for p in layer.parameters()}
+    return [name for name, p in model.named_parameters() if id(p) in wanted]
+
+
+register(
+    "agc",
+    AGC,
+    lambda v: AGC() if v is None else AGC(clipping=v),
+    arg="LAMBDA",
+    help="AGC(clipping=LAMBDA), default 0.01; the demo excludes the output layer",
+    order=50,
+)

@@ -1,0 +1,166 @@
+"""What a clip policy sees and returns: the contract between the step and every policy.
+
+The Stepper computes the global pre-clip norm of the *normalised* gradient once, then asks
+each policy in order what to do. A policy either returns a coefficient (the Stepper folds
+it into the single multiply that also normalises the gradient, so a plain ``ClipNorm``
+costs no extra pass over the gradients), edits the gradients in place (``ClipValue``,
+AGC: then it sets ``inplace`` and the norm is measured again), or asks to skip the whole
+update (a spike guard). Policies decide; hooks (:mod:`gradstep.hooks`) only observe.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+__all__ = ["ClipContext", "ClipPolicy", "ClipResult", "GradientView", "check_norm_type", "scale_to"]
+
+
+@dataclass
+class ClipResult:
+    """What one policy decided for this step."""
+
+    coef: float = 1.0
+    """Multiply every gradient by this (<= 1)."""
+    threshold: float | None = None
+    """The threshold the policy used (a norm, or a value for ClipValue)."""
+    acted: bool = False
+    """True when the policy changed the gradient (or asked to skip)."""
+    inplace: bool = False
+    """True when the policy edited the gradients itself (the norm must be re-measured)."""
+    skip: str | None = None
+    """A reason to skip the whole update, or None."""
+
+
+class GradientView:
+    """The gradient as the policies (and hooks) see it: normalised, unscaled, globally reduced.
+
+    ``norm`` is the global norm (``norm_type``) of the gradient as it stands. Scaling is
+    kept pending and applied to the tensors only when a policy needs them, or once at the
+    end, so normalisation and a coefficient clip share one pass over memory.
+    """
+
+    def __init__(
+        self,
+        grads: list[torch.Tensor],
+        scale: float,
+        norm: float,
+        norm_type: float,
+        loss: float,
+        step: int,
+        params: Sequence[tuple[str, nn.Parameter]],
+        global_norm: Callable[[Sequence[torch.Tensor], float], torch.Tensor],
+        grad_owners: Sequence[tuple[str, nn.Parameter]] | None = None,
+    ) -> None:
+        self._grads = grads
+        self._scale = scale
+        self.norm = norm
+        self.norm_type = norm_type
+        self.loss = loss
+        self.step = step
+        self.params = params
+        self._global_norm = global_norm
+        # (name, param) of each entry of ``grads``, when the caller knows it; needed when
+        # some gradients live outside ``param.grad`` (fp32 accumulation buffers).
+        self._owners = grad_owners
+
+    def scale_by(self, coef: float) -> None:
+        """Multiply the gradient by ``coef``: pending (no pass over memory) until needed."""
+        self._scale *= coef
+        self.norm *= coef
+
+    @property
+    def pending_scale(self) -> float:
+        """The factor not yet applied: the true gradient is ``raw_grads() * pending_scale``."""
+        return self._scale
+
+    def raw_grads(self) -> list[torch.Tensor]:
+        """The gradient tensors WITHOUT the pending scale; read-only (observers use this to
+        measure without forcing the multiply early)."""
+        return self._grads
+
+    def grads(self) -> list[torch.Tensor]:
+        """The normalised gradients, safe to edit in place."""
+        self.materialize()
+        return self._grads
+
+    def named_grads(self) -> list[tuple[str, nn.Parameter, torch.Tensor]]:
+        """(name, parameter, normalised gradient) triples, for unit-wise policies (AGC).
+
+        The Stepper passes ``grad_owners`` (fp32 accumulation buffers of low-precision
+        parameters included). Without it each gradient must be its parameter's ``.grad``;
+        a gradient held elsewhere cannot be attributed: raise instead of guessing.
+        """
+        grads = self.grads()
+        if self._owners is not None:
+            if len(self._owners) != len(grads):
+                raise RuntimeError(
+                    f"ClipContext: grad_owners has {len(self._owners)} entries for "
+                    f"{len(grads)} gradients"
+                )
+            return [(n, p, g) for (n, p), g in zip(self._owners, grads, strict=True)]
+        triples = [(n, p, p.grad) for n, p in self.params if p.grad is not None]
+        if len(triples) != len(grads) or any(
+            t[2] is not g for t, g in zip(triples, grads, strict=False)
+        ):
+            raise RuntimeError(
+                "this clip policy needs each gradient's parameter, but some gradients are "
+                "held in accumulation buffers (low-precision parameters with accum_dtype); "
+                "keep the parameters in float32 and use precision='bf16'/'fp16' (autocast), "
+                "or pass accum_dtype equal to the parameter dtype"
+            )
+        return triples
+
+    def materialize(self) -> None:
+        """Apply the pending scale to the tensors: the step's one multiply."""
+        if self._scale != 1.0 and self._grads:
+            torch._foreach_mul_(self._grads, self._scale)
+        self._scale = 1.0
+
+    def total_norm(self, norm_type: float | None = None) -> float:
+        """Global norm of the gradient as it stands (all ranks and shards)."""
+        p = self.norm_type if norm_type is None else norm_type
+        if p == self.norm_type:
+            return self.norm
+        return self._measure(p)
+
+    def refresh(self) -> None:
+        """Re-measure ``norm`` after a policy edited the gradients in place."""
+        self.norm = self._measure(self.norm_type)
+
+    def _measure(self, norm_type: float) -> float:
+        return float(self._global_norm(self._grads, norm_type)) * abs(self._scale)
+
+    apply = materialize  # the name custom policies written before 0.2 call
+
+
+ClipContext = GradientView
+"""The earlier name of :class:`GradientView`, kept for existing custom policies."""
+
+
+@runtime_checkable
+class ClipPolicy(Protocol):
+    """Anything with ``clip(view) -> ClipResult``; stateful ones add ``state_dict()`` and
+    ``load_state_dict()``, which travel in ``Stepper.state_dict()``."""
+
+    def clip(self, ctx: GradientView) -> ClipResult: ...
+
+
+def check_norm_type(norm_type: float, owner: str) -> float:
+    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)):
+        raise TypeError(f"{owner}: norm_type must be a number >= 1 or inf, got {norm_type!r}")
+    if not (norm_type == math.inf or (math.isfinite(norm_type) and norm_type >= 1)):
+        raise ValueError(f"{owner}: norm_type must be >= 1 or float('inf'), got {norm_type!r}")
+    return float(norm_type)
+
+
+def scale_to(norm: float, threshold: float | None) -> ClipResult:
+    """Scale the gradient down to exactly ``threshold`` when ``norm`` exceeds it."""
+    if threshold is None or not norm > threshold:
+        return ClipResult(threshold=threshold)
+    return ClipResult(coef=threshold / norm, threshold=threshold, acted=True)
