@@ -7,28 +7,74 @@ The helpers below are the parts every such script needs:
 * seeded causal-LM micro-batches of variable length with ``-100`` label padding (the case
   where token-weighted normalisation matters), built with the trainer's own ``collate``;
 * interleaved timing of two step functions and robust statistics of their ratio;
-* peak resident memory of one case, each case in a fresh subprocess so that high-water
-  marks of earlier cases cannot leak into later ones.
+* each memory case in a fresh subprocess, so that high-water marks of earlier cases cannot
+  leak into later ones (the peak itself: ``gradstep.metrics.peak_memory``);
+* ``BaseConfig``: a script's settings as a frozen dataclass, every field a ``--flag``;
+* re-exported from the test suite's ``tests.support`` (one copy for tests and benchmarks):
+  the LM loss ``lm_loss``, the full-batch reference step, ``concat``/``collate``, ``rel_err``,
+  ``BF16Linear`` and the multi-process harness ``run_ranks``.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 import torch
 
-from gradstep_demo.data import IGNORE_INDEX, collate
+from gradstep_demo.data import IGNORE_INDEX
+from gradstep_demo.data import collate as collate_bytes
 
-Batch = dict[str, torch.Tensor]
+# The scripts run as `python bench/x.py` (sys.path[0] = bench/): the repo root makes the test
+# suite's helpers (tests.support) importable, so the benchmarks use them instead of copies.
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
+
+from tests.support.asserts import flat, rel_err  # noqa: E402
+from tests.support.batches import Batch, collate, concat  # noqa: E402
+from tests.support.models import BF16Linear  # noqa: E402
+from tests.support.multiproc import run_ranks  # noqa: E402
+from tests.support.reference import (  # noqa: E402
+    lm_loss,
+    mean_token_loss,
+    reference_grads,
+    reference_step,
+)
+
+__all__ = [
+    "BF16Linear",
+    "BaseConfig",
+    "Batch",
+    "PairedTimes",
+    "RatioStats",
+    "as_dict",
+    "collate",
+    "concat",
+    "count_items",
+    "flat",
+    "interleaved_times",
+    "lm_loss",
+    "lm_window",
+    "machine_info",
+    "mean_token_loss",
+    "random_rows",
+    "ratio_stats",
+    "reference_grads",
+    "reference_step",
+    "rel_err",
+    "run_in_subprocess",
+    "run_ranks",
+]
 
 
 # ----------------------------------------------------------------------------- data
@@ -57,7 +103,8 @@ def lm_window(rows: Sequence[np.ndarray], micro_batch_size: int) -> list[Batch]:
         raise ValueError(
             f"micro_batch_size must be >= 1 and divide the {len(rows)} rows, got {micro_batch_size}"
         )
-    return [collate(rows[i : i + micro_batch_size]) for i in range(0, len(rows), micro_batch_size)]
+    size = micro_batch_size
+    return [collate_bytes(rows[i : i + size]) for i in range(0, len(rows), size)]
 
 
 def count_items(window: Sequence[Batch]) -> int:
@@ -154,25 +201,6 @@ def ratio_stats(
 # ----------------------------------------------------------------------------- memory
 
 
-def max_rss_mib() -> float:
-    """This process's peak resident set size in MiB.
-
-    On Linux this reads ``VmHWM`` from /proc/self/status, not ``ru_maxrss``: ``ru_maxrss``
-    survives fork + exec, so a child started by a big parent reports the parent's peak
-    (measured: a child of a 600 MiB parent reports 610 MiB, VmHWM 9 MiB). Elsewhere it
-    falls back to ``ru_maxrss`` (KiB on Linux, bytes on macOS).
-    """
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024
-
-
 def run_in_subprocess(script: str, args: Sequence[str]) -> dict:
     """Run ``python script *args`` in a fresh interpreter; it must print one JSON object last."""
     proc = subprocess.run(
@@ -184,6 +212,76 @@ def run_in_subprocess(script: str, args: Sequence[str]) -> dict:
             f"(exit {proc.returncode}):\n{proc.stderr[-2000:]}"
         )
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ----------------------------------------------------------------------------- config
+
+
+C = TypeVar("C", bound="BaseConfig")
+
+
+@dataclass(frozen=True)
+class BaseConfig:
+    """A benchmark's settings: subclass it as a frozen dataclass of plain-typed fields.
+
+    Every field becomes a ``--flag`` (``micro_batch_size`` -> ``--micro-batch-size``) with
+    the field's default; a tuple field takes several values. ``POSITIVE`` names the fields
+    that must be >= 1; ``HELP`` gives flags a help text; ``check`` adds a script's own rules.
+    A bad value is an argparse error that names the flag.
+    """
+
+    POSITIVE: ClassVar[tuple[str, ...]] = ()
+    HELP: ClassVar[dict[str, str]] = {}
+
+    def __post_init__(self) -> None:
+        for name in self.POSITIVE:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{flag(name)} must be >= 1, got {getattr(self, name)}")
+        self.check()
+
+    def check(self) -> None:
+        """The script's own rules beyond POSITIVE: raise ValueError naming the flag."""
+
+    def flags(self) -> list[str]:
+        """This config as command-line flags (for a subprocess of the same script)."""
+        out = []
+        for name, value in asdict(self).items():
+            values = value if isinstance(value, tuple) else (value,)
+            out += [flag(name), *map(str, values)]
+        return out
+
+    @classmethod
+    def parser(cls, description: str | None) -> argparse.ArgumentParser:
+        ap = argparse.ArgumentParser(
+            description=description, formatter_class=argparse.RawTextHelpFormatter
+        )
+        for f in dataclasses.fields(cls):
+            default, help_ = f.default, cls.HELP.get(f.name)
+            if isinstance(default, tuple):
+                kind = type(default[0])
+                ap.add_argument(flag(f.name), type=kind, nargs="+", default=default, help=help_)
+            else:
+                ap.add_argument(flag(f.name), type=type(default), default=default, help=help_)
+        return ap
+
+    @classmethod
+    def parse(
+        cls: type[C], argv: Sequence[str] | None, ap: argparse.ArgumentParser
+    ) -> tuple[C, argparse.Namespace]:
+        """Parse ``argv`` with ``ap`` (from :meth:`parser`, plus the script's own flags)."""
+        ns = ap.parse_args(argv)
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            value = getattr(ns, f.name)
+            values[f.name] = tuple(value) if isinstance(f.default, tuple) else value
+        try:
+            return cls(**values), ns
+        except ValueError as exc:
+            ap.error(str(exc))
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 # ----------------------------------------------------------------------------- context

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 import gradstep
+from _common import lm_loss
 from gradstep.checkpoint import Checkpointer
 from gradstep_demo.model import GPT, GPTConfig
 
@@ -34,7 +35,7 @@ def _setup(d_model: int, n_layer: int) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     stepper = gradstep.Stepper(model, optimizer, scheduler)
     ids = torch.randint(0, 256, (4, 128))
-    stepper.step([{"input_ids": ids}], lambda m, b: gradstep.token_loss(m(b["input_ids"]), ids))
+    stepper.step([{"input_ids": ids, "labels": ids}], lm_loss)
     return {"model": model, "optimizer": optimizer, "stepper": stepper}
 
 

@@ -1,6 +1,6 @@
 """Gradient sync on the last micro-batch only vs on every micro-batch: time and bytes.
 
-2 ranks (gloo on CPU, spawned with torch.multiprocessing), the demo model (``GPTConfig()``
+2 ranks (gloo on CPU, started by the test suite's ``run_ranks``), the demo model (``GPTConfig()``
 defaults, 1.8M parameters), k = 8 micro-batches of 4 random variable-length sequences
 (-100 label padding, different on each rank) per optimizer step, ClipNorm(1.0) + AdamW,
 for DDP and for FSDP2 (``fully_shard`` per block and at the root). For each strategy one
@@ -18,20 +18,24 @@ with IQR and a bootstrap 95% interval. Never asserts on time.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import socket
-import tempfile
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
 import gradstep
 import gradstep.parallel as gd
-from _common import interleaved_times, lm_window, machine_info, random_rows, ratio_stats
+from _common import (
+    BaseConfig,
+    interleaved_times,
+    lm_loss,
+    lm_window,
+    machine_info,
+    random_rows,
+    ratio_stats,
+    run_ranks,
+)
 from gradstep.parallel.instrumentation import count_gradient_comms
 from gradstep_demo.model import GPT, GPTConfig
 
@@ -39,7 +43,7 @@ WORLD = 2
 
 
 @dataclass(frozen=True)
-class BenchConfig:
+class BenchConfig(BaseConfig):
     micro_batches: int = 8
     micro_batch_size: int = 4
     seq_len: int = 128
@@ -47,9 +51,16 @@ class BenchConfig:
     warmup: int = 1
     seed: int = 0
 
+    POSITIVE = ("micro_batches", "micro_batch_size", "seq_len", "pairs")
+    HELP = {
+        "micro_batches": "k per rank",
+        "pairs": "timed step pairs",
+        "warmup": "untimed step pairs first",
+    }
 
-def _loss(model: torch.nn.Module, mb: dict) -> gradstep.LossSum:
-    return gradstep.token_loss(model(mb["input_ids"]), mb["labels"])
+    def check(self) -> None:
+        if self.warmup < 0:
+            raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
 
 
 def _bench_strategy(strategy: str, cfg: BenchConfig, rank: int) -> dict:
@@ -66,7 +77,7 @@ def _bench_strategy(strategy: str, cfg: BenchConfig, rank: int) -> dict:
         rows = random_rows(rows_per_window, cfg.seq_len, seed=cfg.seed + 1000 * i + rank)
         stepper.sync_each_micro_batch = sync_each
         counter.reset()
-        stepper.step(lm_window(rows, cfg.micro_batch_size), _loss)
+        stepper.step(lm_window(rows, cfg.micro_batch_size), lm_loss)
         comms[sync_each] = (counter.calls, counter.bytes)
 
     times = interleaved_times(
@@ -82,29 +93,14 @@ def _bench_strategy(strategy: str, cfg: BenchConfig, rank: int) -> dict:
     }
 
 
-def _rank_main(rank: int, cfg: BenchConfig, port: int, out: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(WORLD),
-    )
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // WORLD))
-    gd.init(device="cpu")
+def _bench_ranks(rank: int, world: int, cfg: BenchConfig) -> dict | None:
+    """On each rank (the process group is up): both strategies; rank 0 returns the report."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     results = [_bench_strategy(s, cfg, rank) for s in ("ddp", "fsdp")]
-    if rank == 0:
-        info = {**machine_info(), "threads_per_rank": torch.get_num_threads()}
-        Path(out).write_text(
-            json.dumps({"config": asdict(cfg), "machine": info, "results": results})
-        )
-    gd.shutdown()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    if rank != 0:
+        return None
+    info = {**machine_info(), "threads_per_rank": torch.get_num_threads()}
+    return {"config": asdict(cfg), "machine": info, "results": results}
 
 
 def _mib(n: int) -> str:
@@ -141,27 +137,10 @@ def print_table(report: dict) -> None:
         )
 
 
-def parse_args(argv: list[str] | None) -> BenchConfig:
-    d = BenchConfig()
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--micro-batches", type=int, default=d.micro_batches, help="k per rank")
-    ap.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size)
-    ap.add_argument("--seq-len", type=int, default=d.seq_len)
-    ap.add_argument("--pairs", type=int, default=d.pairs, help="timed step pairs")
-    ap.add_argument("--warmup", type=int, default=d.warmup, help="untimed step pairs first")
-    ap.add_argument("--seed", type=int, default=d.seed)
-    a = ap.parse_args(argv)
-    return BenchConfig(a.micro_batches, a.micro_batch_size, a.seq_len, a.pairs, a.warmup, a.seed)
-
-
 def main(argv: list[str] | None = None) -> None:
-    cfg = parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "report.json")
-        mp.start_processes(
-            _rank_main, args=(cfg, _free_port(), out), nprocs=WORLD, start_method="spawn"
-        )
-        report = json.loads(Path(out).read_text())
+    cfg, _ = BenchConfig.parse(argv, BenchConfig.parser(__doc__))
+    # No time limit to speak of: the default sizes take minutes on 2 shared cores.
+    report = run_ranks(_bench_ranks, WORLD, cfg, timeout=3 * 3600, collective_timeout_s=900)[0]
     print_table(report)
     print(json.dumps(report))
 

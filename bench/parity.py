@@ -15,91 +15,71 @@ import argparse
 import copy
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import gradstep
+from _common import (
+    Batch,
+    BF16Linear,
+    collate,
+    concat,
+    lm_loss,
+    reference_grads,
+    reference_step,
+    rel_err,
+)
 from gradstep_demo.model import GPT, GPTConfig
 
 VOCAB = 256
 
 
-def random_window(k: int, gen: torch.Generator) -> list[dict[str, torch.Tensor]]:
+def random_window(k: int, gen: torch.Generator) -> list[Batch]:
+    """k micro-batches of 1-3 rows of 1-47 random tokens each (labels -100 past the end)."""
     mbs = []
     for _ in range(k):
         rows = int(torch.randint(1, 4, (1,), generator=gen))
         lengths = torch.randint(1, 48, (rows,), generator=gen).tolist()
-        ids = torch.zeros(rows, max(lengths), dtype=torch.long)
-        labels = torch.full((rows, max(lengths)), -100, dtype=torch.long)
-        for r, n in enumerate(lengths):
-            ids[r, :n] = torch.randint(0, VOCAB, (n,), generator=gen)
-            labels[r, :n] = torch.randint(0, VOCAB, (n,), generator=gen)
-        mbs.append({"input_ids": ids, "labels": labels})
+        seqs = [
+            (torch.randint(0, VOCAB, (n,), generator=gen),
+             torch.randint(0, VOCAB, (n,), generator=gen))
+            for n in lengths
+        ]  # fmt: skip
+        mbs.append(collate(seqs))
     return mbs
 
 
-def one_batch(mbs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    width = max(mb["labels"].shape[1] for mb in mbs)
-    pad = lambda t, v: F.pad(t, (0, width - t.shape[1]), value=v)
-    return {
-        "input_ids": torch.cat([pad(mb["input_ids"], 0) for mb in mbs]),
-        "labels": torch.cat([pad(mb["labels"], -100) for mb in mbs]),
-    }
+def grads(model: nn.Module) -> list[torch.Tensor]:
+    return [p.grad for p in model.parameters()]
 
 
-def loss_fn(model: nn.Module, mb: dict[str, torch.Tensor]) -> gradstep.LossSum:
-    return gradstep.token_loss(model(mb["input_ids"]), mb["labels"])
-
-
-def grads_of(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.grad.reshape(-1).double() for p in model.parameters()])
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
-
-
-def window_errors(base: nn.Module, mbs: list) -> tuple[float, float]:
+def window_errors(base: nn.Module, mbs: list[Batch]) -> tuple[float, float]:
     """(Stepper error, mean-of-means error) against the one-batch gradient."""
-    ref = copy.deepcopy(base)
-    out = loss_fn(ref, one_batch(mbs))
-    (out.total / out.count).backward()
+    ref, _ = reference_grads(base, concat(mbs))
     m = copy.deepcopy(base)
-    gradstep.Stepper(m, torch.optim.SGD(m.parameters(), lr=0.0), clip=None).step(mbs, loss_fn)
+    gradstep.Stepper(m, torch.optim.SGD(m.parameters(), lr=0.0), clip=None).step(mbs, lm_loss)
     mom = copy.deepcopy(base)
     for mb in mbs:
-        o = loss_fn(mom, mb)
+        o = lm_loss(mom, mb)
         (o.total / o.count / len(mbs)).backward()
-    return rel(grads_of(m), grads_of(ref)), rel(grads_of(mom), grads_of(ref))
+    return rel_err(grads(m), ref), rel_err(grads(mom), ref)
 
 
-def adamw_error(base: nn.Module, windows: list[list]) -> float:
+def adamw_error(base: nn.Module, windows: list[list[Batch]]) -> float:
     """Relative parameter difference after len(windows) AdamW steps, Stepper vs one batch."""
     m, ref = copy.deepcopy(base), copy.deepcopy(base)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     stepper = gradstep.Stepper(m, opt, clip=gradstep.ClipNorm(1.0))
     for mbs in windows:
-        stepper.step(mbs, loss_fn)
-        ref_opt.zero_grad()
-        out = loss_fn(ref, one_batch(mbs))
-        (out.total / out.count).backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        ref_opt.step()
-    a = torch.cat([p.detach().reshape(-1).double() for p in m.parameters()])
-    b = torch.cat([p.detach().reshape(-1).double() for p in ref.parameters()])
-    return rel(a, b)
+        stepper.step(mbs, lm_loss)
+        reference_step(ref, concat(mbs), ref_opt, max_norm=1.0)
+    return rel_err(list(m.parameters()), list(ref.parameters()))
 
 
 def bf16_errors(k: int, seed: int) -> tuple[float, float]:
     """Gradient error vs fp64 after k micro-batches: fp32 buffers, plain bf16 sums."""
-
-    class Bf16Stored(nn.Linear):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return F.linear(x.float(), self.weight.float(), self.bias.float())
-
     g = torch.Generator().manual_seed(seed)
-    init = Bf16Stored(32, 16).to(torch.bfloat16)
+    init = BF16Linear(32, 16).to(torch.bfloat16)
     mbs = [
         ((torch.randn(4, 32, generator=g) * 0.5 + 1).bfloat16(),
          torch.randn(4, 16, generator=g) * 0.5 + 2.0)
@@ -115,7 +95,7 @@ def bf16_errors(k: int, seed: int) -> tuple[float, float]:
         m = copy.deepcopy(init)
         opt = torch.optim.SGD(m.parameters(), lr=0.0)
         gradstep.Stepper(m, opt, clip=None, accum_dtype=accum).step(mbs, mse)
-        errors.append(rel(grads_of(m), grads_of(ref)))
+        errors.append(rel_err(grads(m), grads(ref)))
     return errors[0], errors[1]
 
 

@@ -58,16 +58,22 @@ from torch.optim import Optimizer
 
 import gradstep
 from _common import (
+    BaseConfig,
     Batch,
+    concat,
     count_items,
+    flat,
+    lm_loss,
     lm_window,
     machine_info,
-    max_rss_mib,
+    mean_token_loss,
     random_rows,
     ratio_stats,
+    reference_grads,
     run_in_subprocess,
 )
-from gradstep_demo.data import IGNORE_INDEX, PAD_ID, TrainBatches, load_corpus
+from gradstep.metrics import peak_memory
+from gradstep_demo.data import IGNORE_INDEX, TrainBatches, load_corpus
 from gradstep_demo.model import GPT, GPTConfig
 
 METHODS = ("plain", "gradstep", "accelerate", "fabric")
@@ -76,7 +82,7 @@ NO_CLIP = 1e30  # a threshold no norm reaches: clip coefficient exactly 1 in eve
 
 
 @dataclass(frozen=True)
-class BenchConfig:
+class BenchConfig(BaseConfig):
     n_layer: int = 2
     n_head: int = 4
     d_model: int = 128
@@ -95,13 +101,10 @@ class BenchConfig:
     threads: int = 1
     seed: int = 0
 
-    def __post_init__(self) -> None:
-        positive = ("n_layer", "n_head", "d_model", "micro_batch_size", "accum_steps",
-                    "error_windows", "error_micro_batch_size", "memory_steps",
-                    "threads")  # fmt: skip
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    POSITIVE = ("n_layer", "n_head", "d_model", "micro_batch_size", "accum_steps",
+                "error_windows", "error_micro_batch_size", "memory_steps", "threads")  # fmt: skip
+
+    def check(self) -> None:
         if self.rounds < 5 or self.warmup < 0:
             raise ValueError("--rounds must be >= 5 (a median of fewer is noise), --warmup >= 0")
         if not 2 <= self.seq_len <= 1024:
@@ -125,14 +128,6 @@ def ce_sum(model: nn.Module, mb: Batch) -> torch.Tensor:
     )  # fmt: skip
 
 
-def ce_mean(model: nn.Module, mb: Batch) -> torch.Tensor:
-    """The per-micro-batch mean loss of the usual recipes (what ``outputs.loss`` is)."""
-    logits = model(mb["input_ids"])
-    return F.cross_entropy(
-        logits.reshape(-1, logits.size(-1)), mb["labels"].reshape(-1), ignore_index=IGNORE_INDEX
-    )
-
-
 Step = Callable[[list[Batch]], float]
 """Runs one window, takes one optimizer step, returns the reported pre-clip norm."""
 
@@ -152,11 +147,7 @@ def plain_loop(model: nn.Module, opt: torch.optim.Optimizer, max_norm: float) ->
 
 def gradstep_loop(model: nn.Module, opt: torch.optim.Optimizer, max_norm: float) -> Step:
     stepper = gradstep.Stepper(model, opt, clip=gradstep.ClipNorm(max_norm))
-
-    def loss_fn(m: nn.Module, mb: Batch) -> gradstep.LossSum:
-        return gradstep.token_loss(m(mb["input_ids"]), mb["labels"])
-
-    return lambda window: stepper.step(window, loss_fn).grad_norm
+    return lambda window: stepper.step(window, lm_loss).grad_norm
 
 
 class Peers:
@@ -180,7 +171,7 @@ class Peers:
             norm = math.nan
             for mb in window:
                 with acc.accumulate(model):
-                    acc.backward(ce_mean(model, mb))
+                    acc.backward(mean_token_loss(model, mb))  # what ``outputs.loss`` is
                     if acc.sync_gradients:
                         norm = float(acc.clip_grad_norm_(model.parameters(), max_norm))
                     opt.step()  # a no-op until the window's last micro-batch
@@ -198,7 +189,7 @@ class Peers:
         def step(window: list[Batch]) -> float:
             for i, mb in enumerate(window):
                 with fabric.no_backward_sync(model, enabled=i < len(window) - 1):
-                    fabric.backward(ce_mean(model, mb) / k)
+                    fabric.backward(mean_token_loss(model, mb) / k)
             norm = float(fabric.clip_gradients(model, opt, max_norm=max_norm))
             opt.step()
             opt.zero_grad()
@@ -257,7 +248,7 @@ def make_windows(cfg: BenchConfig, n: int, micro_batch_size: int, seed: int) -> 
 
 
 def flat_grads(params: list[nn.Parameter]) -> torch.Tensor:
-    return torch.cat([p.grad.detach().reshape(-1).double() for p in params])
+    return flat([p.grad.detach() for p in params]).double()
 
 
 def reference_grad(model: nn.Module, window: list[Batch]) -> torch.Tensor:
@@ -265,18 +256,8 @@ def reference_grad(model: nn.Module, window: list[Batch]) -> torch.Tensor:
 
     Right padding is exact for a causal model: real positions never attend to padding.
     """
-    ref = model.double()
-    width = max(mb["input_ids"].shape[1] for mb in window)
-    ids = torch.cat([F.pad(mb["input_ids"], (0, width - mb["input_ids"].shape[1]), value=PAD_ID)
-                     for mb in window])  # fmt: skip
-    labels = torch.cat([F.pad(mb["labels"], (0, width - mb["labels"].shape[1]),
-                              value=IGNORE_INDEX) for mb in window])  # fmt: skip
-    logits = ref(ids)
-    loss = F.cross_entropy(
-        logits.reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=IGNORE_INDEX
-    )
-    loss.backward()
-    return flat_grads(list(ref.parameters()))
+    grads, _ = reference_grads(model, concat(window), torch.float64)
+    return flat(grads)
 
 
 def clipped(g: torch.Tensor, max_norm: float) -> torch.Tensor:
@@ -379,7 +360,7 @@ def memory_of(name: str, cfg: BenchConfig) -> dict[str, float | str]:
     before = _rss_now_mib()
     for window in windows:
         loop(window)
-    peak = max_rss_mib()
+    peak, _ = peak_memory()
     return {"method": name, "peak_rss_mib": peak, "above_setup_mib": peak - before}
 
 
@@ -435,19 +416,11 @@ def print_tables(res: dict[str, Any], cfg: BenchConfig) -> None:
 
 
 def parse_args(argv: list[str] | None) -> tuple[BenchConfig, argparse.Namespace]:
-    d = BenchConfig()
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    for name, value in asdict(d).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
+    ap = BenchConfig.parser(__doc__)
     ap.add_argument("--skip-memory", action="store_true", help="no per-loop subprocesses")
     ap.add_argument("--json", type=Path, help="also write every result to this JSON file")
     ap.add_argument("--memory-of", choices=METHODS, help=argparse.SUPPRESS)
-    ns = ap.parse_args(argv)
-    try:
-        cfg = BenchConfig(**{k: getattr(ns, k) for k in asdict(d)})
-    except ValueError as exc:
-        ap.error(str(exc))
-    return cfg, ns
+    return BenchConfig.parse(argv, ap)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -464,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = dict.fromkeys((cfg.micro_batch_size, cfg.error_micro_batch_size))
     res["errors"] = [gradient_errors(cfg, peers, size) for size in sizes]
     if not ns.skip_memory:
-        flags = [f"--{k.replace('_', '-')}={v}" for k, v in asdict(cfg).items()]
+        flags = cfg.flags()
         res["memory"] = [run_in_subprocess(__file__, ["--memory-of", m, *flags]) for m in METHODS]
     res["wall_s"] = time.perf_counter() - started
     print_tables(res, cfg)

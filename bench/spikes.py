@@ -24,7 +24,6 @@ Not a test: nothing is asserted; the numbers are for the README.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import math
@@ -40,6 +39,7 @@ import torch
 from torch import nn
 
 import gradstep
+from _common import BaseConfig, lm_loss
 from gradstep.policies import AutoClip, SpikeGuard, ZClip
 from gradstep_demo.config import TrainConfig
 from gradstep_demo.data import Batch, TrainBatches, load_corpus, validation_batches
@@ -50,6 +50,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SPIKE_RATIO = 1.5  # a loss spike: loss > 1.5x the rolling median
 SPIKE_WINDOW = 20  # ... of the previous 20 steps
 SMOOTH = 5  # the plotted loss is a trailing mean over 5 steps
+WARMUP = 10  # steps of linear learning-rate warm-up
 
 SETTINGS: dict[str, Callable[[], object]] = {
     "none": lambda: None,
@@ -62,7 +63,7 @@ REFERENCE = "ClipNorm(1.0), no injection"  # what the spikes cost
 
 
 @dataclass(frozen=True)
-class BenchConfig:
+class BenchConfig(BaseConfig):
     steps: int = 300
     lr: float = 3e-2
     every: int = 50
@@ -76,6 +77,15 @@ class BenchConfig:
     accum_steps: int = 2
     eval_batches: int = 16
     corpus_bytes: int = 1_000_000
+
+    POSITIVE = ("steps", "every", "n_layer", "d_model", "n_head", "seq_len",
+                "micro_batch_size", "accum_steps", "eval_batches", "corpus_bytes")  # fmt: skip
+
+    def check(self) -> None:
+        if self.steps < WARMUP:
+            raise ValueError(f"--steps must be >= {WARMUP} (the warm-up), got {self.steps}")
+        if not self.seeds:
+            raise ValueError("--seeds needs at least one seed")
 
 
 class SpikyLoss:
@@ -94,7 +104,7 @@ class SpikyLoss:
         self.pending_factor, self.clean_sum, self.clean_count = factor, 0.0, 0
 
     def __call__(self, model: nn.Module, mb: Batch) -> gradstep.LossSum:
-        total, count = gradstep.token_loss(model(mb["input_ids"]), mb["labels"])
+        total, count = lm_loss(model, mb)
         self.clean_sum += float(total.detach())
         self.clean_count += int(count)
         factor, self.pending_factor = self.pending_factor, 1.0
@@ -142,7 +152,7 @@ def run_one(name: str, cfg: BenchConfig, seed: int, corpus, val: list[Batch]) ->
     model = GPT(GPTConfig(n_layer=cfg.n_layer, n_head=cfg.n_head, d_model=cfg.d_model,
                           max_seq_len=cfg.seq_len))  # fmt: skip
     # The demo trainer's optimizer and schedule (AdamW, decay on matrices, warmup + cosine).
-    train_cfg = TrainConfig(lr=cfg.lr, min_lr=cfg.lr / 10, warmup=10, max_steps=cfg.steps)
+    train_cfg = TrainConfig(lr=cfg.lr, min_lr=cfg.lr / 10, warmup=WARMUP, max_steps=cfg.steps)
     optimizer = build_optimizer(model, train_cfg)
     schedule = WarmupCosine(train_cfg.warmup, cfg.steps, 0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
@@ -181,7 +191,7 @@ def markdown(results: list[RunResult], cfg: BenchConfig) -> str:
     seeds = sorted({r.seed for r in results})
     lines = [
         f"Demo GPT ({cfg.n_layer} layers, d_model {cfg.d_model}), AdamW lr {cfg.lr:g} "
-        f"(warmup 10, cosine), {cfg.steps} steps of {cfg.accum_steps} x "
+        f"(warmup {WARMUP}, cosine), {cfg.steps} steps of {cfg.accum_steps} x "
         f"{cfg.micro_batch_size} sequences of <= {cfg.seq_len} bytes; at steps "
         f"{', '.join(map(str, injected_steps(cfg)))} one micro-batch's loss x {cfg.factor:g}. "
         f"Seeds {', '.join(map(str, seeds))}: values are per seed.",
@@ -243,16 +253,10 @@ def plot(results: list[RunResult], cfg: BenchConfig, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    defaults = BenchConfig()
-    for name in ("steps", "lr", "every", "factor"):
-        value = getattr(defaults, name)
-        parser.add_argument(f"--{name}", type=type(value), default=value)
-    parser.add_argument("--seeds", type=int, nargs="+", default=list(defaults.seeds))
+    parser = BenchConfig.parser(__doc__.split("\n")[0])
     parser.add_argument("--out", default=str(ROOT / "bench" / "out"))
     parser.add_argument("--no-docs", action="store_true", help="do not copy the PNG to docs/")
-    args = parser.parse_args(argv)
-    cfg = BenchConfig(args.steps, args.lr, args.every, args.factor, tuple(args.seeds))
+    cfg, args = BenchConfig.parse(argv, parser)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     corpus = load_corpus(None, max_bytes=cfg.corpus_bytes)

@@ -38,17 +38,20 @@ from torch import nn
 
 import gradstep
 from _common import (
+    BaseConfig,
     Batch,
     RatioStats,
     count_items,
     interleaved_times,
+    lm_loss,
     lm_window,
     machine_info,
-    max_rss_mib,
     random_rows,
     ratio_stats,
+    rel_err,
     run_in_subprocess,
 )
+from gradstep.metrics import peak_memory
 from gradstep_demo.data import IGNORE_INDEX
 from gradstep_demo.model import GPT, GPTConfig
 
@@ -82,7 +85,7 @@ MEMORY_CASES: dict[str, MemoryCase] = {
 
 
 @dataclass(frozen=True)
-class BenchConfig:
+class BenchConfig(BaseConfig):
     pairs: int = 30
     warmup: int = 3
     micro_batches: int = 8
@@ -97,11 +100,16 @@ class BenchConfig:
     seed: int = 0
     profile: int = 0
 
-    def __post_init__(self) -> None:
-        for name in ("pairs", "micro_batches", "micro_batch_size", "threads"):
-            if getattr(self, name) < 1:
-                flag = "--" + name.replace("_", "-")
-                raise ValueError(f"{flag} must be >= 1, got {getattr(self, name)}")
+    POSITIVE = ("pairs", "micro_batches", "micro_batch_size", "threads")
+    HELP = {
+        "pairs": "timed step pairs",
+        "warmup": "untimed step pairs first",
+        "seq_len": "max tokens, timing",
+        "threads": "torch.set_num_threads",
+        "profile": "profile N steps each",
+    }
+
+    def check(self) -> None:
         if self.pairs < 5:
             raise ValueError(f"--pairs must be >= 5 for a meaningful median, got {self.pairs}")
         if self.warmup < 0 or self.memory_steps < 1 or self.profile < 0:
@@ -128,12 +136,8 @@ def make_optimizer(model: nn.Module, cfg: BenchConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
-def loss_fn(model: nn.Module, mb: Batch) -> gradstep.LossSum:
-    return gradstep.token_loss(model(mb["input_ids"]), mb["labels"])
-
-
 def stepper_step(stepper: gradstep.Stepper, window: list[Batch]) -> tuple[float, float]:
-    stats = stepper.step(window, loss_fn)
+    stats = stepper.step(window, lm_loss)
     return stats.loss, stats.grad_norm
 
 
@@ -186,14 +190,6 @@ def _capture_grads(opt: torch.optim.Optimizer, into: list[list[torch.Tensor]]) -
     opt.register_step_pre_hook(hook)
 
 
-def _grad_rel_diff(ga: list[torch.Tensor], gb: list[torch.Tensor]) -> float:
-    """||g_a - g_b|| / ||g_b|| over the whole gradient (well-conditioned, unlike max abs)."""
-    num = torch.linalg.vector_norm(
-        torch.cat([(x - y).flatten() for x, y in zip(ga, gb, strict=True)])
-    )
-    return float(num / torch.linalg.vector_norm(torch.cat([y.flatten() for y in gb])))
-
-
 def parity(base: GPT, pool: list[list[Batch]], cfg: BenchConfig, dtype: torch.dtype) -> dict:
     """``len(pool)`` steps on both sides from one init in ``dtype``: the same math?
 
@@ -216,9 +212,7 @@ def parity(base: GPT, pool: list[list[Batch]], cfg: BenchConfig, dtype: torch.dt
     return {
         "dtype": str(dtype).removeprefix("torch."),
         "steps": len(pool),
-        "grad_max_rel_diff": max(
-            _grad_rel_diff(a, b) for a, b in zip(grads_a, grads_b, strict=True)
-        ),
+        "grad_max_rel_diff": max(rel_err(a, b) for a, b in zip(grads_a, grads_b, strict=True)),
         "loss_max_rel_diff": _max_rel_diff(trace_a, trace_b, 0),
         "grad_norm_max_rel_diff": _max_rel_diff(trace_a, trace_b, 1),
         "first_grad_norm": trace_b[0][1],
@@ -402,10 +396,10 @@ def memory_case(name: str, cfg: BenchConfig) -> dict:
             if case.hand:
                 hand_step(model, opt, window, cfg.max_norm)
             else:
-                stepper.step(window, loss_fn)
+                stepper.step(window, lm_loss)
         out["padded_tokens"] = max(mb["input_ids"].numel() for mb in window)
         out["items"] = count_items(window)
-    out["max_rss_mib"] = max_rss_mib()
+    out["max_rss_mib"], _ = peak_memory()
     return out
 
 
@@ -440,29 +434,12 @@ def print_memory(rows: list[dict], cfg: BenchConfig) -> None:
 
 
 def parse_args(argv: list[str] | None) -> tuple[BenchConfig, argparse.Namespace]:
-    d = BenchConfig()
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--pairs", type=int, default=d.pairs, help="timed step pairs")
-    ap.add_argument("--warmup", type=int, default=d.warmup, help="untimed step pairs first")
-    ap.add_argument("--micro-batches", type=int, default=d.micro_batches)
-    ap.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size)
-    ap.add_argument("--seq-len", type=int, default=d.seq_len, help="max tokens, timing")
-    ap.add_argument("--memory-seq-len", type=int, default=d.memory_seq_len)
-    ap.add_argument("--memory-steps", type=int, default=d.memory_steps)
-    ap.add_argument("--threads", type=int, default=d.threads, help="torch.set_num_threads")
-    ap.add_argument("--seed", type=int, default=d.seed)
+    ap = BenchConfig.parser(__doc__)
     ap.add_argument("--memory-case", choices=sorted(MEMORY_CASES), help=argparse.SUPPRESS)
     ap.add_argument("--skip-memory", action="store_true")
     ap.add_argument("--skip-timing", action="store_true")
-    ap.add_argument("--profile", type=int, default=0, metavar="N", help="profile N steps each")
     ap.add_argument("--json", type=Path, help="also write all results to this JSON file")
-    ns = ap.parse_args(argv)
-    fields = BenchConfig.__dataclass_fields__
-    try:
-        cfg = BenchConfig(**{k: v for k, v in vars(ns).items() if k in fields})
-    except ValueError as exc:
-        ap.error(str(exc))
-    return cfg, ns
+    return BenchConfig.parse(argv, ap)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,15 +10,10 @@ import torch
 
 import gradstep
 from gradstep.parallel import LocalStrategy
-from helpers import (
-    TinyLM,
-    assert_bitwise_equal,
-    loss_fn,
-    make_window,
-    reference_grads,
-    rel_err,
-    snapshot,
-)
+from tests.support.asserts import assert_bitwise_equal, rel_err, snapshot
+from tests.support.batches import collate, make_window
+from tests.support.models import TinyLM
+from tests.support.reference import lm_loss, reference_grads
 
 WINDOW = [[3, 5], [7], [2, 2, 6]]
 
@@ -66,9 +61,9 @@ def test_hook_points_run_in_step_order_with_their_arguments():
     rec = Recorder()
     stepper = gradstep.Stepper(model, torch.optim.SGD(model.parameters(), lr=0.1), hooks=[rec])
     mbs, seqs = make_window(WINDOW, seed=1)
-    ref, _ = reference_grads(model, seqs)
+    ref, _ = reference_grads(model, collate(seqs))
     counts = [int((mb["labels"] != -100).sum()) for mb in mbs]
-    stats = stepper.step(mbs, loss_fn)
+    stats = stepper.step(mbs, lm_loss)
     kinds = [e[0] for e in rec.events]
     assert kinds == ["start", "mb", "mb", "mb", "norm", "end"]
     assert [e[1:3] for e in rec.events[1:4]] == [(0, False), (1, False), (2, True)]
@@ -86,11 +81,11 @@ def test_on_param_grad_lends_each_micro_batch_its_own_gradient():
     rec = Recorder()
     stepper = gradstep.Stepper(model, torch.optim.SGD(model.parameters(), lr=0.0), hooks=[rec])
     mbs, _ = make_window(WINDOW, seed=2)
-    stepper.step(mbs, loss_fn)
+    stepper.step(mbs, lm_loss)
     assert sorted(rec.param_grads) == [0, 1, 2]
     for i, mb in enumerate(mbs):
         alone = copy.deepcopy(model)
-        loss_fn(alone, mb).total.backward()
+        lm_loss(alone, mb).total.backward()
         for name, p in alone.named_parameters():
             seen = rec.param_grads[i][name]
             assert torch.allclose(seen, p.grad, rtol=1e-12, atol=1e-15), (i, name)
@@ -104,7 +99,7 @@ def test_hooks_never_change_the_update_and_see_skipped_steps():
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         stepper = gradstep.Stepper(model, opt, hooks=hooks)
         for _ in range(2):
-            stepper.step(mbs, loss_fn)
+            stepper.step(mbs, lm_loss)
         runs.append((snapshot(model, opt), hooks))
     assert_bitwise_equal(runs[0][0], runs[1][0])
     rec = runs[1][1][0]
@@ -112,7 +107,7 @@ def test_hooks_never_change_the_update_and_see_skipped_steps():
     stepper = gradstep.Stepper(model, torch.optim.SGD(model.parameters(), lr=0.1), hooks=[rec])
 
     def nan_loss(m, mb):
-        total, count = loss_fn(m, mb)
+        total, count = lm_loss(m, mb)
         return gradstep.LossSum(total * math.nan, count)
 
     stats = stepper.step(mbs, nan_loss)
@@ -125,8 +120,8 @@ def test_hook_state_travels_in_the_stepper_state_dict():
     rec = Recorder()
     stepper = gradstep.Stepper(model, torch.optim.SGD(model.parameters(), lr=0.1), hooks=[rec])
     mbs, _ = make_window(WINDOW, seed=4)
-    stepper.step(mbs, loss_fn)
-    stepper.step(mbs, loss_fn)
+    stepper.step(mbs, lm_loss)
+    stepper.step(mbs, lm_loss)
     state = stepper.state_dict()
     other = Recorder()
     fresh = gradstep.Stepper(model, torch.optim.SGD(model.parameters(), lr=0.1), hooks=[other])
@@ -155,12 +150,12 @@ def test_a_window_that_raises_leaves_no_gradient_hook_behind():
         calls[0] += 1
         if calls[0] == 2:
             raise RuntimeError("boom")
-        return loss_fn(m, mb)
+        return lm_loss(m, mb)
 
     with pytest.raises(RuntimeError, match="boom"):
         stepper.step(mbs, fails_second)
     rec.param_grads = {}
-    loss_fn(model, mbs[0]).total.backward()  # the user's own backward: no hook fires
+    lm_loss(model, mbs[0]).total.backward()  # the user's own backward: no hook fires
     assert rec.param_grads == {}
 
 
@@ -171,10 +166,10 @@ def test_explicit_strategy_is_used_and_checked():
     stepper = gradstep.Stepper(model, opt, strategy=strategy)
     assert stepper.strategy is strategy
     mbs, seqs = make_window(WINDOW, seed=6)
-    ref, _ = reference_grads(model, seqs)
+    ref, _ = reference_grads(model, collate(seqs))
     before = [p.detach().clone() for p in model.parameters()]
     stepper.clip = None
-    stepper.step(mbs, loss_fn)
+    stepper.step(mbs, lm_loss)
     update = [(b - p.detach()) / 0.1 for b, p in zip(before, model.parameters(), strict=True)]
     assert rel_err(update, ref) < 1e-12
     with pytest.raises(TypeError, match="strategy must be"):
@@ -193,11 +188,11 @@ def test_assigning_clip_validates_and_recomputes_the_norm_type():
             stepper.clip = inf_policy
         else:
             stepper = gradstep.Stepper(model, opt, clip=inf_policy)
-        norms.append(stepper.step(mbs, loss_fn).grad_norm)
+        norms.append(stepper.step(mbs, lm_loss).grad_norm)
     assert norms[0] == norms[1]
     model = _model()
     stepper = gradstep.Stepper(model, torch.optim.SGD(model.parameters(), lr=0.0), clip=None)
-    l2 = stepper.step(mbs, loss_fn).grad_norm
+    l2 = stepper.step(mbs, lm_loss).grad_norm
     assert norms[0] < l2  # the inf-norm, not the L2 norm
     with pytest.raises(TypeError, match="clip must be"):
         stepper.clip = ["not a policy"]

@@ -6,7 +6,10 @@ import pytest
 import torch
 
 import gradstep
-from helpers import TinyLM, assert_bitwise_equal, loss_fn, make_window, snapshot
+from tests.support.asserts import assert_bitwise_equal, snapshot
+from tests.support.batches import make_window
+from tests.support.models import TinyLM
+from tests.support.reference import lm_loss
 
 
 def test_token_loss_is_sum_and_count_of_non_ignored_tokens():
@@ -50,10 +53,10 @@ def make_stepper():
 def test_bad_loss_fn_output_is_rejected_without_corrupting_state(returns, error, match):
     model, opt, stepper = make_stepper()
     mbs, _ = make_window([[4], [5]], seed=0)
-    stepper.step(mbs, loss_fn)
+    stepper.step(mbs, lm_loss)
     before = snapshot(model, opt)
     with pytest.raises(error, match=match):
-        stepper.step(mbs, lambda m, mb: returns(loss_fn(m, mb)))
+        stepper.step(mbs, lambda m, mb: returns(lm_loss(m, mb)))
     assert_bitwise_equal(snapshot(model, opt), before)
     assert all(p.grad is None for p in model.parameters())
     assert stepper.step_count == 1
@@ -68,10 +71,10 @@ def test_window_size_must_be_positive_int(size):
 def test_empty_or_wrongly_shaped_window():
     _, _, stepper = make_stepper()
     with pytest.raises(ValueError, match="micro_batches is empty"):
-        stepper.step([], loss_fn)
+        stepper.step([], lm_loss)
     mbs, _ = make_window([[4]], seed=0)
     with pytest.raises(TypeError, match="iterable of micro-batches"):
-        stepper.step(mbs[0], loss_fn)
+        stepper.step(mbs[0], lm_loss)
 
 
 def test_stepper_argument_types():

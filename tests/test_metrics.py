@@ -7,7 +7,6 @@ batch mean or a post-clip norm would fail, not just a sink that dropped a step.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import math
@@ -27,28 +26,20 @@ from gradstep.metrics import (
     jsonable,
     peak_memory,
 )
-from helpers import TinyLM, collate, make_window
+from tests.support.asserts import flat
+from tests.support.batches import collate, make_window
+from tests.support.models import TinyLM
+from tests.support.reference import lm_loss, reference_grads
 
 # Micro-batches with very different token counts: a mean of per-micro-batch means would
 # give a loss and norm visibly different from the token-weighted ones checked here.
 LENGTHS = [[[9, 2], [3]], [[12, 12, 7], [2, 2]], [[5], [11, 1, 8]]]
 
 
-def loss_fn(model: torch.nn.Module, mb: dict[str, torch.Tensor]) -> gradstep.LossSum:
-    return gradstep.token_loss(model(mb["input_ids"]), mb["labels"])
-
-
 def fp64_reference(model: torch.nn.Module, seqs: list) -> tuple[float, float]:
     """Window mean loss and gradient norm, the plain way: one fp64 batch of every item."""
-    ref = copy.deepcopy(model).double()
-    batch = collate(seqs)
-    logits = ref(batch["input_ids"])
-    loss = torch.nn.functional.cross_entropy(
-        logits.reshape(-1, logits.size(-1)), batch["labels"].reshape(-1), ignore_index=-100
-    )
-    loss.backward()
-    norm = torch.cat([p.grad.reshape(-1) for p in ref.parameters()]).norm()
-    return float(loss.detach()), float(norm)
+    grads, loss = reference_grads(model, collate(seqs), torch.float64)
+    return loss, float(flat(grads).norm())
 
 
 def run_steps(logger: MetricsLogger, clip: float = 0.05) -> list[tuple]:
@@ -62,7 +53,7 @@ def run_steps(logger: MetricsLogger, clip: float = 0.05) -> list[tuple]:
         window, seqs = make_window(lengths, seed=seed)
         ref_loss, ref_norm = fp64_reference(model, seqs)
         t0 = time.perf_counter()
-        stats = stepper.step(window, loss_fn)
+        stats = stepper.step(window, lm_loss)
         logger.log_step(stats, time.perf_counter() - t0, val_loss=1.5 if seed == 1 else None)
         out.append((stats, ref_loss, ref_norm))
     return out
@@ -121,7 +112,7 @@ def test_tensorboard_events_read_back_equal(tmp_path: Path) -> None:
         stepper = gradstep.Stepper(model, torch.optim.SGD(model.parameters(), lr=0.1))
         window, _ = make_window([[3]])
         window[0]["labels"].fill_(-100)
-        logger.log_step(stepper.step(window, loss_fn), 0.01)
+        logger.log_step(stepper.step(window, lm_loss), 0.01)
     scalars = _scalars(tmp_path / "tensorboard")
     expected: dict[str, list[tuple[int, float]]] = {}
     for index, rec in enumerate(received, start=1):
@@ -165,7 +156,7 @@ def test_peak_memory_is_in_mib() -> None:
 def test_bad_input_errors_name_the_parameter(tmp_path: Path) -> None:
     model = TinyLM()
     stepper = gradstep.Stepper(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    stats = stepper.step(make_window([[3]])[0], loss_fn)
+    stats = stepper.step(make_window([[3]])[0], lm_loss)
     with MetricsLogger() as logger:
         with pytest.raises(ValueError, match="step_time_s"):
             logger.log_step(stats, 0.0)

@@ -8,14 +8,17 @@ import pytest
 import torch
 
 import gradstep
-from helpers import TinyLM, assert_bitwise_equal, loss_fn, make_window, snapshot
+from tests.support.asserts import assert_bitwise_equal, snapshot
+from tests.support.batches import make_window
+from tests.support.models import TinyLM
+from tests.support.reference import lm_loss
 
 
 def poisoned_loss_fn(value: float, which: int):
     calls = {"n": 0}
 
     def fn(model, mb):
-        out = loss_fn(model, mb)
+        out = lm_loss(model, mb)
         calls["n"] += 1
         if calls["n"] - 1 == which:
             return gradstep.LossSum(out.total * value, out.count)
@@ -32,7 +35,7 @@ def test_nonfinite_skips_and_leaves_state_bitwise_unchanged(bad, clip):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
     stepper = gradstep.Stepper(model, opt, scheduler=sched, clip=clip)
     mbs, _ = make_window([[4, 6], [3], [5]], seed=1)
-    stepper.step(mbs, loss_fn)  # a good step first, so the optimizer has state
+    stepper.step(mbs, lm_loss)  # a good step first, so the optimizer has state
     before = snapshot(model, opt)
     epoch = sched.last_epoch
     stats = stepper.step(mbs, poisoned_loss_fn(bad, which=1))
@@ -44,4 +47,4 @@ def test_nonfinite_skips_and_leaves_state_bitwise_unchanged(bad, clip):
     assert stepper.skipped_steps == 1 and stepper.step_count == 1
     assert stepper.skip_reasons["non-finite gradient norm"] == 1
     # and training continues normally afterwards
-    assert not stepper.step(mbs, loss_fn).skipped and stepper.step_count == 2
+    assert not stepper.step(mbs, lm_loss).skipped and stepper.step_count == 2

@@ -9,15 +9,10 @@ import torch
 from torch import nn
 
 import gradstep
-from helpers import (
-    TinyLM,
-    assert_bitwise_equal,
-    loss_fn,
-    make_window,
-    reference_grads,
-    rel_err,
-    snapshot,
-)
+from tests.support.asserts import assert_bitwise_equal, rel_err, snapshot
+from tests.support.batches import collate, make_window
+from tests.support.models import BF16Linear, TinyLM
+from tests.support.reference import lm_loss, reference_grads
 
 WINDOW = [[5, 9], [2], [11, 3, 4], [6]]
 
@@ -26,13 +21,13 @@ def fp16_run(clip=None, poison=None):
     torch.manual_seed(0)
     model = TinyLM()
     mbs, seqs = make_window(WINDOW, seed=3)
-    ref, _ = reference_grads(model, seqs)
+    ref, _ = reference_grads(model, collate(seqs))
     m = copy.deepcopy(model)
     opt = torch.optim.SGD(m.parameters(), lr=0.0)
     stepper = gradstep.Stepper(m, opt, clip=clip, precision="fp16")
 
     def fn(model, mb):
-        out = loss_fn(model, mb)
+        out = lm_loss(model, mb)
         return gradstep.LossSum(out.total * poison, out.count) if poison else out
 
     # GradScaler starts at 2^16 and may overflow first: a skipped step, scale halved.
@@ -68,20 +63,20 @@ def test_fp16_overflow_skips_and_lowers_the_scale():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     stepper = gradstep.Stepper(model, opt, precision="fp16")
     mbs, _ = make_window(WINDOW, seed=3)
-    while stepper.step(mbs, loss_fn).skipped:  # the initial 2^16 scale may overflow
+    while stepper.step(mbs, lm_loss).skipped:  # the initial 2^16 scale may overflow
         assert stepper.loss_scale >= 2.0**10
     scale = stepper.loss_scale
     before = snapshot(model, opt)
 
     def overflow(model, mb):
-        out = loss_fn(model, mb)
+        out = lm_loss(model, mb)
         return gradstep.LossSum(out.total * 1e38, out.count)
 
     stats = stepper.step(mbs, overflow)
     assert stats.skipped and "non-finite" in stats.skip_reason
     assert stepper.loss_scale == scale * 0.5
     assert_bitwise_equal(snapshot(model, opt), before)
-    assert not stepper.step(mbs, loss_fn).skipped  # recovers
+    assert not stepper.step(mbs, lm_loss).skipped  # recovers
 
 
 def test_fp16_state_dict_round_trip_keeps_scale_and_counters():
@@ -99,22 +94,15 @@ def test_bf16_autocast_gradient_close_to_fp32_and_kept_in_fp32():
     torch.manual_seed(0)
     model = TinyLM()
     mbs, seqs = make_window(WINDOW, seed=4)
-    ref, _ = reference_grads(model, seqs)
+    ref, _ = reference_grads(model, collate(seqs))
     m = copy.deepcopy(model)
     stepper = gradstep.Stepper(m, torch.optim.SGD(m.parameters(), lr=0.0), clip=None,
                                precision="bf16")  # fmt: skip
-    stats = stepper.step(mbs, loss_fn)
+    stats = stepper.step(mbs, lm_loss)
     grads = [p.grad for p in m.parameters()]
     assert all(g.dtype == torch.float32 for g in grads)
     assert 0 < rel_err(grads, ref) <= 3e-2  # bf16 compute, fp32 gradients
     assert stats.grad_norm == pytest.approx(float(torch.nn.utils.get_total_norm(ref)), rel=3e-2)
-
-
-class BF16Linear(nn.Linear):
-    """Parameters stored in bf16, computed in fp32: isolates the accumulation error."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x.float(), self.weight.float(), self.bias.float())
 
 
 def bf16_accumulation_error(k: int, accum_dtype, seed: int) -> float:
@@ -230,11 +218,11 @@ def test_fp16_step_that_raises_after_unscale_leaves_a_usable_stepper():
     before = snapshot(model, opt)
     scale = stepper.loss_scale
     with pytest.raises(ValueError, match="nope"):
-        stepper.step(mbs, loss_fn)  # AGC checks exclude names after the unscale
+        stepper.step(mbs, lm_loss)  # AGC checks exclude names after the unscale
     assert_bitwise_equal(snapshot(model, opt), before)
     assert stepper.loss_scale == scale
     stepper.clip = [gradstep.ClipNorm(1.0)]
-    while stepper.step(mbs, loss_fn).skipped:  # the initial 2^16 scale may overflow
+    while stepper.step(mbs, lm_loss).skipped:  # the initial 2^16 scale may overflow
         pass
     assert stepper.step_count == 1
 
@@ -256,6 +244,6 @@ def test_fp16_policy_skip_does_not_count_towards_scale_growth():
         return stepper.grad_scaler.state_dict()["_growth_tracker"]
 
     for _ in range(3):
-        stats = stepper.step(mbs, loss_fn)
+        stats = stepper.step(mbs, lm_loss)
         assert stats.skipped and stats.skip_reason == "test: always skip"
     assert stepper.loss_scale == 2.0**16 and tracker() == 0

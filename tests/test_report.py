@@ -18,7 +18,8 @@ import gradstep
 from gradstep.metrics import MetricsLogger
 from gradstep.report import PLOTS, ReportError, build_figures, load_run, write_report
 from gradstep_demo.cli import main
-from helpers import TinyLM, make_window
+from tests.support.batches import make_window
+from tests.support.models import TinyLM
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -10,16 +10,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import gradstep
-from helpers import (
-    TinyLM,
-    assert_bitwise_equal,
-    collate,
-    loss_fn,
-    make_window,
-    reference_grads,
-    rel_err,
-    snapshot,
-)
+from tests.support.asserts import assert_bitwise_equal, rel_err, snapshot
+from tests.support.batches import collate, make_window
+from tests.support.models import TinyLM
+from tests.support.reference import lm_loss, reference_grads, reference_step
 
 # Per micro-batch: 1-3 sequences of 1-12 tokens; some micro-batches get very few tokens,
 # so a mean of per-micro-batch means would weight tokens unequally.
@@ -35,7 +29,7 @@ def stepper_grads(model, mbs, **kw):
     m = copy.deepcopy(model)
     opt = torch.optim.SGD(m.parameters(), lr=0.0)
     stepper = gradstep.Stepper(m, opt, clip=None, **kw)
-    stats = stepper.step(mbs, loss_fn)
+    stats = stepper.step(mbs, lm_loss)
     return [p.grad.detach().clone() for p in m.parameters()], stats
 
 
@@ -46,7 +40,7 @@ def test_accumulated_gradient_equals_full_batch_fp32(k, data):
     torch.manual_seed(1)
     model = TinyLM()
     mbs, seqs = make_window(lengths, seed=k)
-    ref, ref_loss = reference_grads(model, seqs)
+    ref, ref_loss = reference_grads(model, collate(seqs))
     got, stats = stepper_grads(model, mbs)
     assert stats.items == sum(int((s[1] != -100).sum()) for s in seqs)
     if stats.items == 0:
@@ -66,7 +60,7 @@ def test_accumulated_gradient_equals_full_batch_fp64(k, data):
     mbs, seqs = make_window(lengths, seed=10 + k)
     if sum(int((s[1] != -100).sum()) for s in seqs) == 0:
         return
-    ref, _ = reference_grads(model, seqs)
+    ref, _ = reference_grads(model, collate(seqs))
     got, _ = stepper_grads(model, mbs)
     assert rel_err(got, ref) <= 1e-12
 
@@ -82,16 +76,8 @@ def test_parameters_after_three_adamw_steps_match_full_batch(k):
     for step in range(3):
         lengths = [[1 + (3 * i + step) % 9, 2 + (5 * i) % 7] for i in range(k)]
         mbs, seqs = make_window(lengths, seed=100 + step)
-        stepper.step(mbs, loss_fn)
-        ref_opt.zero_grad()
-        batch = collate(seqs)
-        logits = ref_model(batch["input_ids"])
-        loss = torch.nn.functional.cross_entropy(
-            logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100
-        )
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.5)
-        ref_opt.step()
+        stepper.step(mbs, lm_loss)
+        reference_step(ref_model, collate(seqs), ref_opt, max_norm=0.5)
     assert rel_err(list(model.parameters()), list(ref_model.parameters())) <= 1e-6
 
 
@@ -99,10 +85,10 @@ def test_mean_of_means_would_be_wrong_here():
     """Guard that the data exercise token weighting: k * mean-of-means differs a lot."""
     model = TinyLM()
     mbs, seqs = make_window([[1], [12, 12, 12]], seed=5)
-    ref, _ = reference_grads(model, seqs)
+    ref, _ = reference_grads(model, collate(seqs))
     m = copy.deepcopy(model)
     for mb in mbs:
-        out = loss_fn(m, mb)
+        out = lm_loss(m, mb)
         (out.total / out.count / len(mbs)).backward()
     assert rel_err([p.grad for p in m.parameters()], ref) > 1e-2
 
@@ -114,7 +100,7 @@ def test_short_last_window_equals_one_batch_of_exactly_those_items():
     assert [len(w) for w in windows] == [3, 3, 1]
     last = windows[-1]
     seqs = [(last[0]["input_ids"][i], last[0]["labels"][i]) for i in range(len(last[0]["labels"]))]
-    ref, _ = reference_grads(model, seqs)
+    ref, _ = reference_grads(model, collate(seqs))
     got, stats = stepper_grads(model, last)
     assert stats.micro_batches == 1
     assert rel_err(got, ref) <= 1e-6
@@ -134,7 +120,7 @@ def test_window_length_may_change_between_calls():
     stepper = gradstep.Stepper(model, torch.optim.SGD(model.parameters(), lr=0.1))
     for k in (1, 4, 2):
         mbs, _ = make_window([[4]] * k, seed=k)
-        assert stepper.step(mbs, loss_fn).micro_batches == k
+        assert stepper.step(mbs, lm_loss).micro_batches == k
     assert stepper.step_count == 3
 
 
@@ -147,7 +133,7 @@ def test_scheduler_steps_once_per_optimizer_step(lengths):
     seen = []
     for i in range(3):
         mbs, _ = make_window(lengths, seed=i)
-        stats = stepper.step(mbs, loss_fn)
+        stats = stepper.step(mbs, lm_loss)
         seen.append(stats.lr)
     assert sched.last_epoch == 3
     assert seen == [1.0, 0.5, 0.25]  # the lr used by each step, not the next one
@@ -159,14 +145,14 @@ def test_zero_item_micro_batches_are_fine_and_empty_window_skips():
     stepper = gradstep.Stepper(model, opt)
     mbs, seqs = make_window([[5], [3]], seed=3)
     mbs[0]["labels"][:] = -100  # a micro-batch with zero items
-    ref, _ = reference_grads(model, [(x, y) for x, y in seqs[1:]])
+    ref, _ = reference_grads(model, collate([(x, y) for x, y in seqs[1:]]))
     got, stats = stepper_grads(model, mbs)
     assert stats.items == int((mbs[1]["labels"] != -100).sum())
     assert rel_err(got, ref) <= 1e-6
     for mb in mbs:
         mb["labels"][:] = -100
     before = snapshot(model, opt)
-    stats = stepper.step(mbs, loss_fn)
+    stats = stepper.step(mbs, lm_loss)
     assert stats.skipped and stats.items == 0 and "0 items" in stats.skip_reason
     assert stepper.skipped_steps == 1 and stepper.step_count == 0
     assert_bitwise_equal(snapshot(model, opt), before)
@@ -176,8 +162,8 @@ def test_step_stats_fields():
     model = TinyLM()
     stepper = gradstep.Stepper(model, torch.optim.SGD(model.parameters(), lr=0.1))
     mbs, seqs = make_window([[5, 2], [3]], seed=1)
-    ref, ref_loss = reference_grads(model, seqs)
-    stats = stepper.step(mbs, loss_fn)
+    ref, ref_loss = reference_grads(model, collate(seqs))
+    stats = stepper.step(mbs, lm_loss)
     assert stats.items == sum(int((y != -100).sum()) for _, y in seqs)
     assert stats.micro_batches == 2 and stats.step == 1 and not stats.skipped
     assert stats.loss == pytest.approx(ref_loss, rel=1e-6)

@@ -63,8 +63,13 @@ def check_loss_sum(out: object) -> LossSum:
     total, count = out
     if not isinstance(total, torch.Tensor) or total.dim() != 0:
         raise TypeError("LossSum.total must be a 0-dim tensor (the SUM of per-item losses)")
+    if not total.requires_grad:
+        raise ValueError(
+            "LossSum.total does not require grad: it was computed under torch.no_grad(), "
+            "detached, or from no trainable parameter; return the loss sum the model produced"
+        )
     if isinstance(count, torch.Tensor):
-        if count.dim() != 0 or count.is_floating_point():
+        if count.dim() != 0 or count.is_floating_point() or count.dtype == torch.bool:
             raise TypeError("LossSum.count must be an int or a 0-dim integer tensor")
     elif not isinstance(count, int) or isinstance(count, bool):
         raise TypeError(f"LossSum.count must be an int >= 0, got {type(count).__name__}")

@@ -69,7 +69,10 @@ class RunMetrics:
         for rec in self.records:
             value = rec.get(key)
             ok = isinstance(value, (int, float))
-            out.append(float(value) if ok else math.nan)
+            try:
+                out.append(float(value) if ok else math.nan)
+            except OverflowError:  # an integer beyond float range: not drawable
+                out.append(math.nan)
         return out
 
     @property
@@ -86,7 +89,10 @@ def load_run(run_dir: str | Path, name: str | None = None) -> RunMetrics:
         raise ReportError(f"run folder {str(path)!r} does not exist or is not a folder")
     if not metrics.is_file():
         raise ReportError(f"{str(metrics)!r} not found: is {str(path)!r} a gradstep run folder?")
-    data = metrics.read_bytes()
+    try:
+        data = metrics.read_bytes()
+    except OSError as exc:
+        raise ReportError(f"cannot read {str(metrics)!r}: {exc.strerror or exc}") from None
     lines = data.split(b"\n")
     partial = lines[-1].strip() != b""  # no trailing newline: the writer is mid-line
     records = []
@@ -250,13 +256,19 @@ def write_report(run_dirs: Sequence[str | Path], out: str | Path | None = None) 
     paths = [Path(p) for p in run_dirs]
     runs = [load_run(p, name) for p, name in zip(paths, _names(paths), strict=True)]
     out_dir = Path(out) if out is not None else paths[0] / "report"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    images = {}
-    for key, fig in build_figures(runs).items():
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png", dpi=100)
-        images[key] = buf.getvalue()
-        (out_dir / f"{key}.png").write_bytes(images[key])
-    page = out_dir / "report.html"
-    page.write_text(_html(runs, images), encoding="utf-8")
+    figures = build_figures(runs)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        images = {}
+        for key, fig in figures.items():
+            buf = io.BytesIO()
+            fig.savefig(buf, format="png", dpi=100)
+            images[key] = buf.getvalue()
+            (out_dir / f"{key}.png").write_bytes(images[key])
+        page = out_dir / "report.html"
+        page.write_text(_html(runs, images), encoding="utf-8")
+    except OSError as exc:
+        raise ReportError(
+            f"cannot write the report to {str(out_dir)!r}: {exc.strerror or exc}"
+        ) from None
     return page

@@ -160,6 +160,11 @@ class Stepper:
                 "strategy must be None (detect) or a gradstep.parallel strategy (LocalStrategy, "
                 f"DDPStrategy, FSDP2Strategy, ...), got {type(strategy).__name__}"
             )
+        if scheduler is not None and not callable(getattr(scheduler, "step", None)):
+            raise TypeError(
+                "scheduler must be None or an LR scheduler with step() (e.g. "
+                f"torch.optim.lr_scheduler.LambdaLR), got {type(scheduler).__name__}"
+            )
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -167,6 +172,7 @@ class Stepper:
         self.sync_each_micro_batch = bool(sync_each_micro_batch)
         self.hooks = Hooks(hooks)
         self._named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        _check_optimizer_covers(self._named, optimizer)
         self._strategy = strategy_for(model) if strategy is None else strategy
         params = [p for _, p in self._named]
         self._precision = Precision(precision, params, accum_dtype, self._strategy.distributed)
@@ -225,9 +231,12 @@ class Stepper:
 
     def step(self, micro_batches: Iterable[Any], loss_fn: LossFn) -> StepStats:
         """Run one window of micro-batches and take (or skip) one optimizer step."""
-        if isinstance(micro_batches, (dict, torch.Tensor)):
+        if isinstance(micro_batches, (dict, torch.Tensor, tuple, str, bytes)):
+            # A tuple is refused too: (inputs, targets) is the usual shape of ONE batch, and
+            # iterating it would run the inputs and the targets as two micro-batches.
             raise TypeError(
-                "micro_batches must be an iterable of micro-batches forming one window; "
+                "micro_batches must be an iterable of micro-batches forming one window (a list "
+                f"or a generator; not a tuple or a string), got a {type(micro_batches).__name__}; "
                 "wrap a single batch in a list: stepper.step([batch], loss_fn)"
             )
         if self._strategy.forward_communicates:
@@ -286,11 +295,20 @@ class Stepper:
         view.materialize()
         lr = float(self.optimizer.param_groups[0]["lr"])
         self._precision.step(self.optimizer)
-        if self.scheduler is not None:
-            self.scheduler.step()
+        # Counted before the scheduler runs: if it raises, the parameters have moved and
+        # the counters say so (the error says the step was taken, the LR did not advance).
         self.step_count += 1
         self.clipped_steps += int(decision.acted)
         self._precision.end_window(window.micro_batches * self.world_size, window.items)
+        if self.scheduler is not None:
+            try:
+                self.scheduler.step()
+            except Exception as exc:
+                raise RuntimeError(
+                    f"scheduler.step() raised after optimizer step {self.step_count} was "
+                    "taken: the parameters, optimizer state and step_count include that "
+                    f"step, the learning rate was not advanced ({type(exc).__name__}: {exc})"
+                ) from exc
         return self._stats(window, norm, decision, lr=lr, post_clip_norm=view.norm)
 
     def _accumulate(
@@ -429,14 +447,26 @@ class Stepper:
             "loss_hint": self._precision.prescale_state,
             "precision": self._precision.state_dict(),
             "clip": [_state_of(p) for p in self._clip],
+            "clip_types": [type(p).__name__ for p in self._clip],
             "hooks": [_state_of(h) for h in self.hooks],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        counters = ("step_count", "skipped_steps", "clipped_steps")
+        missing = [k for k in counters if k not in state] if isinstance(state, dict) else counters
+        if missing:
+            raise ValueError(f"Stepper.load_state_dict: not a Stepper state (missing {missing})")
         clip_states = state.get("clip", [])
         # Checkpoints written before hooks existed hold none: nothing to restore then.
         hook_states = state.get("hooks", [{} for _ in self.hooks])
         _check_count("clip policies", "clip", clip_states, self._clip)
+        saved_types = state.get("clip_types")
+        mine = [type(p).__name__ for p in self._clip]
+        if saved_types is not None and list(saved_types) != mine:
+            raise ValueError(
+                f"Stepper.load_state_dict: the checkpoint's clip policies are {saved_types}, "
+                f"this Stepper's are {mine}; build the Stepper with the same clip="
+            )
         _check_count("hooks", "hooks", hook_states, self.hooks.items)
         self.step_count = int(state["step_count"])
         self.skipped_steps = int(state["skipped_steps"])
@@ -454,6 +484,24 @@ def _check_count(what: str, arg: str, saved: list, mine: list) -> None:
         raise ValueError(
             f"Stepper.load_state_dict: checkpoint has {len(saved)} {what}, this Stepper has "
             f"{len(mine)}; build the Stepper with the same {arg}="
+        )
+
+
+def _check_optimizer_covers(
+    named: list[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer
+) -> None:
+    """Every trainable parameter must be stepped: the optimizer's ``zero_grad`` would never
+    clear a gradient it does not own, and that stale gradient would count in every norm."""
+    owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    missing = [name for name, p in named if id(p) not in owned]
+    if missing:
+        shown = ", ".join(missing[:8]) + (
+            f" ... ({len(missing)} in all)" if len(missing) > 8 else ""
+        )
+        raise ValueError(
+            f"optimizer does not hold {len(missing)} trainable parameter(s) of the model: "
+            f"{shown}. Their gradients would never be cleared and would count in the clip "
+            "norm; pass them to the optimizer, or set requires_grad=False on them"
         )
 
 

@@ -13,10 +13,11 @@ import sys
 import typing
 from collections.abc import Callable, Sequence
 
-from gradstep.checkpoint import CheckpointError
+import torch
 
-from .config import ConfigError, TrainConfig, resolve
-from .data import DataError
+from gradstep.errors import GradstepError
+
+from .config import TrainConfig, load_toml, resolve
 
 __all__ = ["build_parser", "main"]
 
@@ -75,7 +76,9 @@ def _run_train(args: argparse.Namespace) -> int:
         if hasattr(args, f.name)
     }
     cfg = resolve(args.config, **overrides)
-    train(cfg)
+    # What the user set on purpose: a resume checks these against the checkpoint.
+    given = set(overrides) | (set(load_toml(args.config)) if args.config else set())
+    train(cfg, given=given)
     return 0
 
 
@@ -122,9 +125,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler: Handler = args.handler
     try:
         return handler(args)
-    except (ConfigError, CheckpointError, DataError, NotImplementedError) as exc:
+    except (GradstepError, NotImplementedError) as exc:
         print(f"gradstep {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a full disk, a folder made read-only mid-run: no traceback
+        print(f"gradstep {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except torch.distributed.DistBackendError as exc:
+        print(
+            f"gradstep {args.command}: error: a collective failed or timed out (a rank is "
+            f"stuck or gone; --collective-timeout sets how long to wait): {exc}",
+            file=sys.stderr,
+        )
+        return 1
     except KeyboardInterrupt:
         print(f"gradstep {args.command}: interrupted", file=sys.stderr)
         return 130

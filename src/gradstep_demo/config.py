@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import sys
 import types
 import typing
@@ -94,9 +95,17 @@ class TrainConfig:
     keep_checkpoints: int = _f(3, "how many of the newest checkpoints to keep")
     resume: str | None = _f(
         None,
-        "continue the newest valid checkpoint in DIR (bare --resume: OUT/checkpoints)",
+        "continue the newest valid checkpoint in DIR: a checkpoints folder, a run folder or "
+        "one step-N folder (bare --resume: OUT/checkpoints); finding none is an error",
         nargs="?",
         const=RESUME_AUTO,
+    )
+    resume_or_start: bool = _f(
+        False, "resume from OUT/checkpoints when it holds a valid checkpoint, else start a new run"
+    )
+    overwrite: bool = _f(False, "start over in an OUT that holds a run, deleting that run first")
+    collective_timeout: float = _f(
+        600.0, "seconds a rank waits in a collective before the job ends with an error"
     )
 
     def __post_init__(self) -> None:
@@ -107,6 +116,10 @@ class TrainConfig:
         self._validate()
 
     def _validate(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{f.name} must be a finite number, got {value}")
         positive = ("n_layer", "n_head", "d_model", "seq_len", "micro_batch_size", "accum_steps")
         for name in (*positive, "max_steps", "eval_batches", "log_every", "keep_checkpoints"):
             if getattr(self, name) < 1:
@@ -127,9 +140,27 @@ class TrainConfig:
             raise ConfigError(f"min_lr must be in [0, lr={self.lr}], got {self.min_lr}")
         if self.weight_decay < 0:
             raise ConfigError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if self.warmup > self.max_steps:
+            raise ConfigError(
+                f"warmup must be <= max_steps ({self.max_steps}), got {self.warmup}: the "
+                "learning rate would never reach lr"
+            )
+        if not 0 <= self.seed < 2**32:
+            raise ConfigError(f"seed must be in [0, 2**32), got {self.seed}")
+        if not self.out.strip():
+            raise ConfigError("out must name a run folder, got an empty path")
+        if not self.collective_timeout > 0:
+            raise ConfigError(
+                f"collective_timeout must be > 0 seconds, got {self.collective_timeout}"
+            )
+        if self.resume is not None and self.resume_or_start:
+            raise ConfigError("resume and resume_or_start exclude each other; pass one of them")
+        if self.overwrite and (self.resume is not None or self.resume_or_start):
+            raise ConfigError("overwrite starts a new run: it cannot be combined with resume")
         check_choice("precision", self.precision, PRECISIONS, error=ConfigError)
         check_choice("strategy", self.strategy, STRATEGIES, error=ConfigError)
-        if self.device.split(":")[0] not in DEVICES or self.device.count(":") > 1:
+        kind, colon, index = self.device.partition(":")
+        if kind not in DEVICES or (colon and not (index.isdigit() and kind in ("cuda", "cpu"))):
             raise ConfigError(
                 f"device must be one of {', '.join(DEVICES)} or cuda:N, got {self.device!r}"
             )
@@ -177,11 +208,27 @@ def load_toml(path: str | Path) -> dict[str, Any]:
             raw = tomllib.load(fh)
     except FileNotFoundError:
         raise ConfigError(f"config file {str(path)!r} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {str(path)!r} is a folder, not a TOML file") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text ({exc})") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {str(path)!r} is not valid TOML: {exc}") from exc
+    tables = [("top level", {k: v for k, v in raw.items() if k != "train"})]
     if isinstance(raw.get("train"), dict):
-        raw = {**{k: v for k, v in raw.items() if k != "train"}, **raw["train"]}
-    values = {key.replace("-", "_"): value for key, value in raw.items()}
+        tables.append(("[train]", raw["train"]))
+    values: dict[str, Any] = {}
+    where: dict[str, str] = {}
+    for table, items in tables:
+        for key, value in items.items():
+            name = key.replace("-", "_")
+            if name in values:  # max_steps and max-steps, or the same key in two tables
+                raise ConfigError(
+                    f"{str(path)!r} sets {name} twice ({where[name]} and {table} {key!r}); keep one"
+                )
+            values[name], where[name] = value, f"{table} {key!r}"
     known = field_names()
     for key in values:
         if key not in known:

@@ -120,8 +120,11 @@ def default_corpus_files(max_bytes: int = DEFAULT_CORPUS_BYTES) -> tuple[Path, l
 
 def _read_text_file(path: Path) -> bytes | None:
     """Return the bytes of a UTF-8 text file, or None for binary/undecodable/empty files."""
-    data = path.read_bytes()
-    if not data or b"\x00" in data[:8192]:
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise DataError(f"--data: cannot read {str(path)!r}: {exc.strerror or exc}") from None
+    if not data or b"\x00" in data:  # NUL anywhere: binary, not text to train on
         return None
     try:
         data.decode("utf-8")
@@ -132,7 +135,7 @@ def _read_text_file(path: Path) -> bytes | None:
 
 def _user_files(spec: str) -> tuple[Path, list[Path]]:
     """Resolve ``--data``: a file, a folder (recursive, hidden entries skipped) or a glob."""
-    if any(ch in spec for ch in "*?["):
+    if not Path(spec).exists() and any(ch in spec for ch in "*?["):
         paths = sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file())
         root = Path(os.path.commonpath([str(p.parent) for p in paths])) if paths else Path(".")
     elif Path(spec).is_dir():
@@ -259,6 +262,7 @@ class TrainBatches(Iterator[Batch]):
         self.epoch, self.index = 0, rank
         self._plan_epoch: int | None = None
         self._plan = np.empty((0, micro_batch_size, 2), dtype=np.int64)
+        self._epoch_plan(0)  # too little data is an error now, not at the first step
 
     def _epoch_plan(self, epoch: int) -> np.ndarray:
         """Micro-batches of epoch ``epoch`` as ``(n, micro_batch_size, 2)`` spans (cached)."""
@@ -268,7 +272,7 @@ class TrainBatches(Iterator[Batch]):
             spans = spans[rng.permutation(len(spans))]
             n = len(spans) // self.micro_batch_size
             if n < self.world_size:
-                raise ValueError(
+                raise DataError(
                     f"training data yields {n} micro-batches of {self.micro_batch_size} per "
                     f"epoch, fewer than world_size={self.world_size}; use more data"
                 )

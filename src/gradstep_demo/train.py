@@ -25,7 +25,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,13 +35,14 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from gradstep import LossSum, Stepper, StepStats, parallel, token_loss, windows
-from gradstep.checkpoint import Checkpointer
+from gradstep.checkpoint import Checkpointer, CheckpointInfo
 from gradstep.metrics import FINISHED_FILE, MetricsLogger
 from gradstep.metrics import jsonable as _jsonable
 from gradstep.policies import clip_policies
 
-from .config import RESUME_AUTO, ConfigError, TrainConfig
-from .data import Batch, Corpus, TrainBatches, load_corpus, validation_batches
+from . import run_folder
+from .config import ConfigError, TrainConfig
+from .data import Batch, Corpus, DataError, TrainBatches, load_corpus, validation_batches
 from .model import GPT, GPTConfig, generate
 
 __all__ = ["LMLoss", "WarmupCosine", "evaluate", "train"]
@@ -113,6 +114,19 @@ def _check_launch(cfg: TrainConfig, env: parallel.DistEnv) -> None:
             f"strategy={cfg.strategy!r} needs a torchrun launch, e.g. torchrun "
             f"--nproc_per_node=2 -m gradstep train --strategy {cfg.strategy}"
         )
+    if env.device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={cfg.device!r}: this torch build or machine has no CUDA")
+    if env.device.type == "cuda" and env.device.index >= torch.cuda.device_count():
+        raise ConfigError(
+            f"device={cfg.device!r}: only {torch.cuda.device_count()} CUDA device(s) here"
+        )
+    if env.device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"device={cfg.device!r}: MPS is not available on this machine")
+    if cfg.eval_batches < env.world_size:
+        raise ConfigError(
+            f"eval_batches must be >= the number of ranks ({env.world_size}): every rank "
+            f"evaluates at least one batch, got {cfg.eval_batches}"
+        )
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
@@ -164,13 +178,9 @@ class _Progress:
             setattr(self, key, [tuple(r) for r in value] if key == "recent" else value)
 
 
-def _setup(cfg: TrainConfig, env: parallel.DistEnv) -> _Run:
-    _check_launch(cfg, env)
+def _setup(cfg: TrainConfig, env: parallel.DistEnv, info: CheckpointInfo | None) -> _Run:
     rank, world, device = env.rank, env.world_size, env.device
     out = Path(cfg.out)
-    if env.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
     torch.manual_seed(cfg.seed)
     corpus = load_corpus(cfg.data)
     model_cfg = GPTConfig(
@@ -196,6 +206,12 @@ def _setup(cfg: TrainConfig, env: parallel.DistEnv) -> _Run:
     )
     # FSDP2 all-gathers in every forward: all ranks must evaluate as many batches.
     val = val[: parallel.min_over_ranks(len(val))]
+    if not val:
+        raise DataError(
+            "the validation split gives some rank no batch of "
+            f"{cfg.micro_batch_size} x {cfg.seq_len} bytes; use more data or a smaller "
+            "--micro-batch-size / --seq-len"
+        )
     run = _Run(
         cfg,
         out,
@@ -209,8 +225,9 @@ def _setup(cfg: TrainConfig, env: parallel.DistEnv) -> _Run:
         corpus,
         cfg.accum_steps,
     )
-    _resume(run)
-    if cfg.save_every or cfg.resume is not None:
+    if info is not None:
+        _resume(run, info)
+    if cfg.save_every or info is not None:
         run.checkpointer = Checkpointer(
             out / "checkpoints",
             cfg.keep_checkpoints,
@@ -220,10 +237,26 @@ def _setup(cfg: TrainConfig, env: parallel.DistEnv) -> _Run:
     return run
 
 
+@dataclass
+class _Settings:
+    """The run's settings in its checkpoints, so a resume runs what the run ran. Where the
+    run ran (folder, device, launch) is not the run's: it is left out."""
+
+    cfg: TrainConfig
+
+    def state_dict(self) -> dict[str, Any]:
+        settings = self.cfg.to_dict()
+        return {k: v for k, v in settings.items() if k not in run_folder.ENVIRONMENT}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass  # read from the manifest before the run is built (run_folder.saved_settings)
+
+
 def _stateful(run: _Run) -> dict[str, Any]:
     """Everything a checkpoint holds, by name (the names are keys in the checkpoint)."""
     stepper = run.stepper
     return {
+        "config": _Settings(run.cfg),
         "model": run.model,
         "optimizer": stepper.optimizer,
         "scheduler": stepper.scheduler,
@@ -233,29 +266,33 @@ def _stateful(run: _Run) -> dict[str, Any]:
     }
 
 
-def _resume(run: _Run) -> None:
-    """``--resume``: load the newest valid checkpoint; keep its global batch on this world."""
-    cfg = run.cfg
-    if cfg.resume is None:
-        return
-    auto = cfg.resume == RESUME_AUTO
-    directory = run.out / "checkpoints" if auto else Path(cfg.resume)
-    if not auto and not directory.is_dir():
-        raise ConfigError(f"--resume {cfg.resume!r}: no such checkpoint folder")
-    info = Checkpointer(directory).latest()
-    if info is None:
-        _note(run, f"--resume: no valid checkpoint in {directory}; starting at step 0")
-        return
-    run.accum_steps = info.accum_steps_for(run.world_size)
-    Checkpointer(directory).load(info, **_stateful(run))
+def _resume(run: _Run, info: CheckpointInfo) -> None:
+    """Load ``info`` into the run: model, optimizer, schedule, stepper, data position."""
+    stateful = _stateful(run)
+    if "config" not in info.manifest["objects"]:
+        del stateful["config"]  # a checkpoint from before the settings were saved
+    Checkpointer(info.path.parent).load(info, **stateful)
     run.start = info.step
     _note(run, f"resumed from {info.path} (step {info.step})")
-    if run.accum_steps != cfg.accum_steps:
+    if info.accum_steps is not None and info.world_size != run.world_size:
         _note(
             run,
             f"the checkpoint ran {info.world_size} rank(s) x accum_steps {info.accum_steps}: "
             f"using accum_steps {run.accum_steps} on {run.world_size} to keep the global batch",
         )
+
+
+def _resumed_settings(
+    cfg: TrainConfig, info: CheckpointInfo | None, given: frozenset[str], world: int
+) -> tuple[TrainConfig, list[str]]:
+    """What a resumed run runs (the checkpoint's settings, plus what may change)."""
+    if info is None:
+        return cfg, []
+    elastic = cfg.accum_steps if info.accum_steps is None else info.accum_steps_for(world)
+    saved = run_folder.saved_settings(info)
+    if saved is None:  # an older checkpoint: only the global batch is known
+        return dataclasses.replace(cfg, accum_steps=elastic), []
+    return run_folder.merge_settings(cfg, saved, given, elastic)
 
 
 def _note(run: _Run, line: str) -> None:
@@ -395,23 +432,36 @@ def _cpu_threads(threads: int) -> Iterator[None]:
 
 
 def train(
-    cfg: TrainConfig, callbacks: Sequence[Callable[[dict[str, Any]], Any]] = ()
+    cfg: TrainConfig,
+    callbacks: Sequence[Callable[[dict[str, Any]], Any]] = (),
+    given: Iterable[str] | None = None,
 ) -> dict[str, Any]:
     """Train the demo model as configured; write the run folder and return the summary.
 
     ``callbacks`` are called (on rank 0) with every step's metrics record, see
     :class:`~gradstep.metrics.MetricsLogger`: e.g. to forward them to another tracker.
+    ``given`` names the settings the caller set on purpose (the CLI: flags and config-file
+    keys); on a resume those are checked against the checkpoint's, the others take the
+    checkpoint's values (see :mod:`gradstep_demo.run_folder`). None: every setting that
+    differs from its default counts as given.
 
     Under torchrun (``--strategy ddp|fsdp``) every rank runs this; the process group is
     created here (unless the caller made one) and closed at the end; only rank 0 prints
     and writes the run folder.
     """
     started = time.perf_counter()
+    if given is None:
+        defaults = TrainConfig()
+        given = [
+            f.name
+            for f in dataclasses.fields(cfg)
+            if getattr(cfg, f.name) != getattr(defaults, f.name)
+        ]
     owns_group = not parallel.is_initialized()
-    env = parallel.init(cfg.device)
+    env = parallel.init(cfg.device, timeout_s=cfg.collective_timeout)
     try:
         with parallel.quiet_unless_main(), _cpu_threads(cfg.threads):
-            summary = _train(cfg, env, started, callbacks)
+            summary = _train(cfg, env, started, callbacks, frozenset(given))
     except BaseException:
         if owns_group:
             parallel.shutdown(barrier=False)  # the other ranks may never reach a barrier
@@ -421,14 +471,66 @@ def train(
     return summary
 
 
+def _on_rank0(action: Callable[[], Any]) -> Any:
+    """Run ``action`` on rank 0 only; every rank returns its result or raises its error, so
+    a refusal on rank 0 never leaves the other ranks waiting in a collective."""
+    result, error = None, None
+    if parallel.is_main():
+        try:
+            result = action()
+        except (ConfigError, DataError) as exc:
+            error = exc
+    result, error = parallel.broadcast_from_rank0((result, error))
+    if error is not None:
+        raise error
+    return result
+
+
 def _train(
-    cfg: TrainConfig, env: parallel.DistEnv, started: float, callbacks: Sequence[Callable]
+    cfg: TrainConfig,
+    env: parallel.DistEnv,
+    started: float,
+    callbacks: Sequence[Callable],
+    given: frozenset[str],
 ) -> dict[str, Any]:
-    run = _setup(cfg, env)
+    _check_launch(cfg, env)
+    with contextlib.ExitStack() as folder:
+
+        def lock() -> None:
+            folder.enter_context(run_folder.locked(Path(cfg.out)))
+
+        _on_rank0(lock)
+        info = run_folder.find_checkpoint(cfg)
+        _on_rank0(lambda: run_folder.prepare(cfg, info))
+        cfg, notes = _resumed_settings(cfg, info, given, env.world_size)
+        run = _setup(cfg, env, info)
+        for line in notes:
+            _note(run, line)
+        if run.start >= cfg.max_steps:
+            _note(
+                run,
+                f"the run already finished: the checkpoint is at step {run.start} and "
+                f"max_steps is {cfg.max_steps}; nothing to train and nothing was changed "
+                "(pass a larger --max-steps to train on)",
+            )
+            return _existing_summary(run.out)
+        if run.is_main:
+            (run.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+        return _run_loop(run, started, callbacks)
+
+
+def _existing_summary(out: Path) -> dict[str, Any]:
+    try:
+        return json.loads((out / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _run_loop(run: _Run, started: float, callbacks: Sequence[Callable]) -> dict[str, Any]:
     if run.start and run.is_main:
         _cut_metrics(run.out / "metrics.jsonl", run.start)
     # Other ranks run the same loop (collectives) but log their records nowhere.
-    main = run.is_main
+    main, cfg = run.is_main, run.cfg
     logger = MetricsLogger(
         run.out if main else None,
         tensorboard=cfg.tensorboard and main,

@@ -173,6 +173,7 @@ class Checkpointer:
             else check_int("micro_batch_size", micro_batch_size, 1, error=CheckpointError)
         )
         self.rng = bool(rng)
+        self._verified: dict[Path, tuple[tuple, bool]] = {}
 
     def __repr__(self) -> str:
         return f"Checkpointer({str(self.directory)!r}, keep={self.keep})"
@@ -189,7 +190,7 @@ class Checkpointer:
         tmp = self.directory / f".tmp-{final.name}"
         rank = collectives.rank()
         if rank == 0:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            self._make_directory()
             layout._recover(self.directory)
             tmp.mkdir()
         collectives.barrier()
@@ -203,13 +204,38 @@ class Checkpointer:
                 layout._write_manifest(tmp, self._manifest(step, tmp, *written))
                 layout.fsync(tmp)
                 layout._publish(tmp, final)
-                layout._prune(self.directory, self.keep)
+                layout._prune(self.directory, self.keep, protect={final}, is_valid=self._valid)
         except BaseException:
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
         collectives.barrier()
         return final
+
+    def _make_directory(self) -> None:
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:
+            raise CheckpointError(
+                f"checkpoint directory {str(self.directory)!r} exists and is not a folder"
+            ) from None
+        except OSError as exc:
+            raise CheckpointError(
+                f"cannot create checkpoint directory {str(self.directory)!r}: {exc.strerror or exc}"
+            ) from None
+
+    def _valid(self, folder: Path) -> bool:
+        """Whether ``folder`` verifies, remembered per manifest version: each prune would
+        otherwise hash every kept checkpoint again."""
+        try:
+            st = (folder / layout.MANIFEST).stat()
+            key = (st.st_ino, st.st_mtime_ns, st.st_size)
+        except OSError:
+            return False
+        cached = self._verified.get(folder)
+        if cached is None or cached[0] != key:
+            cached = self._verified[folder] = (key, layout._verify(folder)[0] is not None)
+        return cached[1]
 
     def _write_state(
         self,
@@ -244,6 +270,10 @@ class Checkpointer:
                 objects[optimizer.name] = {"kind": "optimizer", "store": "dcp"}
             elif optimizer is not None and main:
                 objects[optimizer.name] = self._optimizer_entry(tmp, module, optim)
+            if optimizer is not None and main:
+                # Loading Adam state into SGD (or back) would pass every shape check and
+                # fail, or silently misbehave, at the first step: the type is checked.
+                objects[optimizer.name]["type"] = type(optim).__qualname__
         if main and others:
             tensors: dict[str, torch.Tensor] = {}
             for name, obj in others.items():
@@ -340,14 +370,18 @@ class Checkpointer:
         if not stateful:
             raise CheckpointError("load needs the objects to restore, by the names used in save")
         if not isinstance(checkpoint, CheckpointInfo):
-            path = Path(checkpoint)
-            verdict = layout._verify(path) if collectives.rank() == 0 else None
-            manifest, problem = collectives.broadcast_from_rank0(verdict)
-            if manifest is None:
-                raise CheckpointError(f"checkpoint {path} is unusable: {problem}")
-            checkpoint = CheckpointInfo(int(manifest["step"]), path, manifest)
+            checkpoint = self.inspect(checkpoint)
         _restore(checkpoint, stateful, strict, self.rng)
         return checkpoint.step
+
+    def inspect(self, folder: str | os.PathLike) -> CheckpointInfo:
+        """Verify one ``step-N`` folder (collective); raise CheckpointError if unusable."""
+        path = Path(folder)
+        verdict = layout._verify(path) if collectives.rank() == 0 else None
+        manifest, problem = collectives.broadcast_from_rank0(verdict)
+        if manifest is None:
+            raise CheckpointError(f"checkpoint {path} is unusable: {problem}")
+        return CheckpointInfo(int(manifest["step"]), path, manifest)
 
 
 def _kind(obj: Any) -> str:
@@ -396,6 +430,13 @@ def _prepare_tensors(
         problems, load_model = dcp_prepare(info.path, module, optim, optim_in_dcp)
     else:
         problems, load_model = file_prepare(info.path, entries[model.name], module)
+    saved_type = oentry.get("type") if oentry is not None else None
+    if optim is not None and saved_type is not None and saved_type != type(optim).__qualname__:
+        raise CheckpointError(
+            f"checkpoint {info.path}: {optimizer.name!r} was saved from a {saved_type}, got "
+            f"a {type(optim).__qualname__}; build the optimizer the run was saved with "
+            "(nothing was loaded)"
+        )
     saved_optim = None
     if optim is not None and oentry is not None and oentry["store"] == "file":
         tensors = (

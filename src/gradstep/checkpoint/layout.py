@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ __all__ = [
     "file_sha256",
     "fsync",
     "write_bytes",
+    "written_by_gradstep",
 ]
 
 FORMAT = "gradstep-checkpoint"
@@ -136,10 +138,46 @@ def _step_dirs(directory: Path) -> list[tuple[int, Path]]:
     return sorted(found.items(), reverse=True)
 
 
-def _prune(directory: Path, keep: int) -> None:
-    """Drop all but the ``keep`` newest: rename away (atomic), fsync, then delete."""
+def written_by_gradstep(folder: Path) -> bool:
+    """True when ``folder`` holds a manifest that names this format (valid or not).
+
+    gradstep publishes a folder only after its manifest is in place, so a ``step-N`` folder
+    without one was made by someone else: it is never loaded, never pruned.
+    """
+    try:
+        raw = json.loads((folder / MANIFEST).read_bytes())
+    except (OSError, ValueError):
+        return False
+    return isinstance(raw, dict) and raw.get("format") == FORMAT
+
+
+def _prune(
+    directory: Path,
+    keep: int,
+    protect: Collection[Path] = (),
+    is_valid: Callable[[Path], bool] | None = None,
+) -> None:
+    """Keep the ``keep`` newest VALID checkpoints, counting every folder in ``protect`` (kept
+    whatever its rank); drop the other folders gradstep wrote: rename away (atomic), fsync,
+    then delete.
+
+    Only checkpoints that verify count towards ``keep``, so a corrupted or half-copied
+    newer folder can never push a good one out; folders gradstep did not write are left
+    alone whatever their name.
+    """
+    is_valid = is_valid or (lambda path: _verify(path)[0] is not None)
+    kept = {Path(p) for p in protect}
     trash = []
-    for n, path in _step_dirs(directory)[keep:]:
+    valid_seen = 0
+    for n, path in _step_dirs(directory):
+        if path in kept:  # the checkpoint just written: known good, and it counts
+            valid_seen += 1
+            continue
+        if not written_by_gradstep(path):
+            continue
+        if valid_seen < keep and is_valid(path):
+            valid_seen += 1
+            continue
         # Named by step (not by folder: a ``.replaced-`` folder would not match _LEFTOVER),
         # so a kill during the delete leaves something the next save cleans up.
         target = directory / f".trash-step-{n:06d}"
@@ -152,28 +190,73 @@ def _prune(directory: Path, keep: int) -> None:
         shutil.rmtree(target, ignore_errors=True)
 
 
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
 def _verify(folder: Path) -> tuple[dict[str, Any] | None, str | None]:
-    """(manifest, None) when every file matches its checksum, else (None, the reason)."""
+    """(manifest, None) when every file matches its checksum, else (None, the reason).
+
+    Never raises for what it finds on disk: whatever is wrong with a folder becomes the
+    reason, so the caller can fall back to an older checkpoint.
+    """
     try:
-        raw = json.loads((folder / MANIFEST).read_bytes())
+        raw = json.loads((folder / MANIFEST).read_bytes(), parse_constant=_reject_constant)
     except FileNotFoundError:
-        return None, f"{MANIFEST} is missing (the save did not finish)"
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return None, f"{MANIFEST} is missing: not a checkpoint gradstep published (ignored)"
+    except OSError as exc:
+        return None, f"{MANIFEST} cannot be read ({exc.strerror or exc})"
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, NaN / Infinity
         return None, f"{MANIFEST} is not valid JSON ({exc})"
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         return None, f"{MANIFEST} is not a {FORMAT} manifest"
     checksum = raw.pop("checksum", None)
     if hashlib.sha256(_canonical(raw)).hexdigest() != checksum:
         return None, f"{MANIFEST} does not match its checksum (corrupted)"
-    if raw.get("format_version", 0) > FORMAT_VERSION:
+    problem = _manifest_problem(raw)
+    if problem is not None:
+        return None, f"{MANIFEST} is malformed: {problem}"
+    if raw["format_version"] > FORMAT_VERSION:
         return None, f"format version {raw['format_version']} is newer than this gradstep's"
     for name, meta in raw["files"].items():
         path = folder / name
-        if not path.is_file():
-            return None, f"{name} is missing"
-        size = path.stat().st_size
-        if size != meta["bytes"]:
-            return None, f"{name} is truncated or resized ({size} of {meta['bytes']} bytes)"
-        if file_sha256(path) != meta["sha256"]:
-            return None, f"{name} does not match its sha256 checksum (corrupted)"
+        try:
+            if not path.is_file():
+                return None, f"{name} is missing"
+            size = path.stat().st_size
+            if size != meta["bytes"]:
+                return None, f"{name} is truncated or resized ({size} of {meta['bytes']} bytes)"
+            if file_sha256(path) != meta["sha256"]:
+                return None, f"{name} does not match its sha256 checksum (corrupted)"
+        except OSError as exc:
+            return None, f"{name} cannot be read ({exc.strerror or exc})"
     return raw, None
+
+
+def _is_int(value: Any, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def _manifest_problem(raw: dict[str, Any]) -> str | None:
+    """What is wrong with the fields the loader relies on, or None."""
+    if not _is_int(raw.get("format_version"), 1):
+        return f"format_version must be an int >= 1, got {raw.get('format_version')!r}"
+    if not _is_int(raw.get("step"), 0):
+        return f"step must be an int >= 0, got {raw.get('step')!r}"
+    if not _is_int(raw.get("world_size"), 1):
+        return f"world_size must be an int >= 1, got {raw.get('world_size')!r}"
+    for key in ("accum_steps", "micro_batch_size"):
+        if raw.get(key) is not None and not _is_int(raw[key], 1):
+            return f"{key} must be null or an int >= 1, got {raw[key]!r}"
+    files, objects = raw.get("files"), raw.get("objects")
+    if not isinstance(files, dict) or not isinstance(objects, dict):
+        return "files and objects must be JSON objects"
+    for name, meta in files.items():
+        ok = isinstance(meta, dict) and _is_int(meta.get("bytes"), 0)
+        if not ok or not isinstance(meta.get("sha256"), str) or ".." in Path(name).parts:
+            return f"the entry of file {name!r} is not {{bytes, sha256}} inside the folder"
+    for name, entry in objects.items():
+        kinds = ("module", "optimizer", "object")
+        if not isinstance(entry, dict) or entry.get("kind") not in kinds:
+            return f"object {name!r} has no valid kind"
+    return None

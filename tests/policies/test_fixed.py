@@ -9,7 +9,10 @@ import pytest
 import torch
 
 import gradstep
-from helpers import TinyLM, loss_fn, make_window, reference_grads, rel_err
+from tests.support.asserts import rel_err
+from tests.support.batches import collate, make_window
+from tests.support.models import TinyLM
+from tests.support.reference import lm_loss, reference_grads
 
 WINDOW = [[5, 9], [2], [11, 3, 4]]
 
@@ -18,10 +21,10 @@ def run(clip, seed=0, scale_loss=1.0):
     torch.manual_seed(seed)
     model = TinyLM()
     mbs, seqs = make_window(WINDOW, seed=seed)
-    ref, _ = reference_grads(model, seqs)
+    ref, _ = reference_grads(model, collate(seqs))
     m = copy.deepcopy(model)
     stepper = gradstep.Stepper(m, torch.optim.SGD(m.parameters(), lr=0.0), clip=clip)
-    stats = stepper.step(mbs, loss_fn)
+    stats = stepper.step(mbs, lm_loss)
     return stats, [p.grad for p in m.parameters()], ref
 
 

@@ -1,90 +1,31 @@
-"""Real multi-process runs for tests/test_distributed.py (and bench/distributed.py).
+"""The rank-side scenarios of tests/parallel/test_distributed.py, and their references.
 
-``run_ranks`` spawns ``world`` processes that each join a gloo process group through
-gradstep.parallel.init() (the same env:// variables torchrun sets) and run one function;
-each rank's return value comes back to the caller. Spawning costs seconds on a 2-core
-machine, so one spawn runs every scenario of a strategy and the tests only inspect results.
+``scenarios`` runs on each of 2 gloo ranks (``tests.support.multiproc.run_ranks``) every
+case the tests check for one strategy, in one start; the tests only inspect the results.
 
 ``reference_run`` is the plain single-process computation the distributed runs must match:
 all micro-batches of every rank of a step concatenated into ONE batch, in float64, mean
-loss over all its tokens, ``clip_grad_norm_``, AdamW.
+loss over all its tokens, ``clip_grad_norm_``, AdamW (``tests.support.reference``).
 """
 
 from __future__ import annotations
 
 import math
-import os
-import socket
-import tempfile
-import time
-import traceback
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
-from gradstep import token_loss
-from gradstep_demo.data import IGNORE_INDEX, PAD_ID
-from gradstep_demo.model import GPT, GPTConfig
+from tests.support.batches import Batch, concat, make_windows
+from tests.support.models import tiny_gpt
+from tests.support.reference import lm_loss, reference_step
 
-Batch = dict[str, torch.Tensor]
-VOCAB = 32
-MODEL = GPTConfig(vocab_size=VOCAB, n_layer=2, n_head=2, d_model=16, max_seq_len=16)
 LR = 1e-2
 WEIGHT_DECAY = 0.1
 
 
-def tiny_gpt(dtype: torch.dtype = torch.float32) -> GPT:
-    """The same initial weights in every process (fixed seed, CPU)."""
-    torch.manual_seed(1234)
-    return GPT(MODEL).to(dtype)
-
-
 def adamw(params: Any) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
-
-
-def _micro_batch(gen: torch.Generator, rows: int, lo: int, hi: int) -> Batch:
-    """Right-padded rows of random lengths in [lo, hi]: labels -100 past each row's end."""
-    lengths = torch.randint(lo, hi + 1, (rows,), generator=gen)
-    width = int(lengths.max())
-    ids = torch.randint(1, VOCAB, (rows, width + 1), generator=gen)
-    input_ids = torch.full((rows, width), PAD_ID, dtype=torch.long)
-    labels = torch.full((rows, width), IGNORE_INDEX, dtype=torch.long)
-    for r, n in enumerate(lengths.tolist()):
-        input_ids[r, :n] = ids[r, :n]
-        labels[r, :n] = ids[r, 1 : n + 1]
-    return {"input_ids": input_ids, "labels": labels}
-
-
-def make_windows(steps: int, world: int, k: int, seed: int = 0) -> list[list[list[Batch]]]:
-    """``data[step][rank]`` = that rank's k micro-batches; rank r gets longer sequences
-    than rank r-1, so the ranks' token counts differ (rank 0 ~3 tokens/row, rank 1 ~9)."""
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(steps):
-        per_rank = []
-        for r in range(world):
-            lo, hi = (2, 4) if r == 0 else (6, MODEL.max_seq_len - 1)
-            per_rank.append([_micro_batch(gen, 2 + (j + r) % 2, lo, hi) for j in range(k)])
-        out.append(per_rank)
-    return out
-
-
-def concat(batches: list[Batch]) -> Batch:
-    """One batch of all rows, right-padded to the widest (padding is ignored by the loss)."""
-    width = max(b["input_ids"].shape[1] for b in batches)
-
-    def pad(t: torch.Tensor, value: int) -> torch.Tensor:
-        return nn.functional.pad(t, (0, width - t.shape[1]), value=value)
-
-    return {
-        "input_ids": torch.cat([pad(b["input_ids"], PAD_ID) for b in batches]),
-        "labels": torch.cat([pad(b["labels"], IGNORE_INDEX) for b in batches]),
-    }
 
 
 def reference_run(
@@ -101,30 +42,9 @@ def reference_run(
     out = []
     for step in range(steps):
         batch = concat([mb for rank in data[step] for mb in rank])
-        logits = model(batch["input_ids"])
-        loss = nn.functional.cross_entropy(
-            logits.reshape(-1, VOCAB), batch["labels"].reshape(-1), ignore_index=IGNORE_INDEX
-        )
-        opt.zero_grad()
-        loss.backward()
-        params = list(model.parameters())
-        norm = float(torch.nn.utils.get_total_norm([p.grad for p in params], norm_type))
-        coef = 1.0
-        if max_norm is not None:
-            coef = min(1.0, max_norm / (norm + 1e-6))
-            torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
-        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-        opt.step()
-        out.append(
-            {
-                "grads": grads,
-                "grad_norm": norm,
-                "clip_coef": coef,
-                "loss": loss.item(),
-                "items": int((batch["labels"] != IGNORE_INDEX).sum()),
-                "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-            }
-        )
+        result = reference_step(model, batch, opt, max_norm, norm_type)
+        result["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        out.append(result)
     return out
 
 
@@ -136,147 +56,14 @@ def single_backward_reference(seed: int) -> dict[str, torch.Tensor]:
     grads: dict[str, torch.Tensor] = {}
     for mb in first:
         model.zero_grad()
-        total, count = token_loss(model(mb["input_ids"]), mb["labels"])
+        total, count = lm_loss(model, mb)
         (total / count).backward()
         for n, p in model.named_parameters():
             grads[n] = grads.get(n, 0) + p.grad / len(first)
     return grads
 
 
-def rel_err(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
-    """Largest per-tensor relative error ||got - want|| / ||want||, in float64."""
-    assert got.keys() == want.keys(), (sorted(got), sorted(want))
-    errs = []
-    for name, w in want.items():
-        g = got[name].to(torch.float64)
-        w = w.to(torch.float64)
-        errs.append(float((g - w).norm() / w.norm().clamp_min(1e-30)))
-    return max(errs)
-
-
-def flat(tensors: dict[str, torch.Tensor], minus: dict[str, torch.Tensor] | None = None):
-    """All tensors as one float64 vector (optionally minus another set, e.g. the init)."""
-    parts = [t.to(torch.float64).flatten() for t in tensors.values()]
-    if minus is not None:
-        parts = [
-            p - minus[n].to(torch.float64).flatten() for p, n in zip(parts, tensors, strict=True)
-        ]
-    return torch.cat(parts)
-
-
-def global_rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    """||got - want|| / ||want|| over whole vectors (see :func:`flat`)."""
-    return float((got - want).norm() / want.norm())
-
-
-# Imported once by the forkserver; every rank is then forked from it already warm (a
-# spawned rank re-imports torch: ~4-8 s per process on the 2-core CI machine). The server
-# itself is a fresh interpreter that never ran torch compute, so forking it is safe.
-_PRELOAD = [
-    "torch",
-    "torch._dynamo",  # DDP.__init__ imports it: ~4 s
-    "torch.distributed",
-    "torch.distributed.algorithms.ddp_comm_hooks.default_hooks",
-    "torch.distributed.fsdp",
-    "torch.distributed.tensor",
-    "torch.nn.parallel",
-    "gradstep",
-    "gradstep.parallel",
-    "distributed_helpers",
-]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(
-    local: int,
-    fn: Callable[..., Any],
-    world: int,
-    port: int,
-    out: str,
-    collective_timeout_s: float,
-    args: tuple,
-) -> None:
-    # The variables torchrun sets; gradstep.parallel.init() reads them.
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(local),
-        LOCAL_RANK=str(local),
-        WORLD_SIZE=str(world),
-    )
-    torch.set_num_threads(1)
-    import gradstep.parallel as gd
-
-    gd.init(device="cpu", timeout_s=collective_timeout_s)
-    try:
-        result: Any = fn(local, world, *args)
-    except BaseException:
-        result = {"error": traceback.format_exc()}
-    torch.save(result, Path(out, f"rank{local}.pt"))
-    gd.shutdown()
-
-
-def run_ranks(
-    fn: Callable[..., Any],
-    world: int,
-    *args: Any,
-    timeout: float = 120,
-    collective_timeout_s: float = 60,
-) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` spawned gloo ranks; return their results.
-
-    A rank that raises reports the traceback (raised here). A collective that waits longer
-    than ``collective_timeout_s`` raises in its rank (gloo's timeout); ranks still running
-    after ``timeout`` seconds are killed and reported as a hang.
-    """
-    mp.set_forkserver_preload(_PRELOAD)  # no effect once the server runs
-    with tempfile.TemporaryDirectory() as out:
-        ctx = mp.start_processes(
-            _rank_main,
-            args=(fn, world, free_port(), out, collective_timeout_s, args),
-            nprocs=world,
-            join=False,
-            start_method="forkserver",
-        )
-        failure = _wait(ctx, timeout)
-        files = [Path(out, f"rank{r}.pt") for r in range(world)]
-        results = [torch.load(f, weights_only=False) if f.exists() else None for f in files]
-    # A rank's own traceback is the root cause; a peer's exit error is only its echo.
-    for r, res in enumerate(results):
-        if isinstance(res, dict) and "error" in res:
-            raise RuntimeError(f"rank {r} failed:\n{res['error']}")
-    if failure is not None:
-        raise RuntimeError(failure)
-    return results
-
-
-def _wait(ctx: Any, timeout: float) -> str | None:
-    """Join the ranks; kill them all after ``timeout`` seconds. Returns a failure or None."""
-    deadline = time.monotonic() + timeout
-    try:
-        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    if p.is_alive():
-                        p.kill()
-                return f"ranks still running after {timeout:.0f}s: a hang"
-    except Exception as exc:  # a rank died; torch terminates the others
-        return f"a rank exited abnormally: {exc}"
-    return None
-
-
 # ---------------------------------------------------------------- rank-side scenarios
-
-
-def _loss(model: nn.Module, mb: Batch) -> Any:
-    from gradstep import token_loss
-
-    return token_loss(model(mb["input_ids"]), mb["labels"])
 
 
 def _name(n: str) -> str:
@@ -364,7 +151,7 @@ def parity_run(
         counter.reset()
         spy = _AllReduceSpy()
         try:
-            stats = stepper.step(data[step][rank], _loss)
+            stats = stepper.step(data[step][rank], lm_loss)
         finally:
             spy.remove()
         per_step.append(
@@ -386,13 +173,13 @@ def nan_run(rank: int, data: list, strategy: str, max_norm: float) -> dict[str, 
     from gradstep import LossSum
 
     model, opt, stepper, _ = _setup(strategy, max_norm, False)
-    stepper.step(data[0][rank], _loss)
+    stepper.step(data[0][rank], lm_loss)
     params = [_local(p) for p in model.parameters()]
     state = [_local(v) for s in opt.state.values() for v in s.values()]
     calls = []
 
     def poisoned(model: nn.Module, mb: Batch) -> LossSum:
-        total, count = _loss(model, mb)
+        total, count = lm_loss(model, mb)
         calls.append(1)
         if rank == 1 and len(calls) == 1:
             total = total * float("nan")
@@ -422,7 +209,7 @@ def uneven_run(rank: int, strategy: str, k: int) -> dict[str, Any]:
     data = make_windows(1, 2, k + 1)
     _, _, stepper, _ = _setup(strategy, None)
     try:
-        stepper.step(data[0][rank][: k + rank], _loss)
+        stepper.step(data[0][rank][: k + rank], lm_loss)
         error = None
     except RuntimeError as exc:
         error = str(exc)
@@ -447,14 +234,14 @@ def raising_window_run(rank: int, strategy: str) -> dict[str, Any]:
         calls.append(1)
         if len(calls) == 2:
             raise RuntimeError("micro-batch 2 failed")
-        return _loss(m, mb)
+        return lm_loss(m, mb)
 
     try:
         stepper.step(data, fails_second)
         error = None
     except RuntimeError as exc:
         error = str(exc)
-    total, count = _loss(model, data[0])
+    total, count = lm_loss(model, data[0])
     (total / count).backward()
     has_grad = all(p.grad is not None for p in model.parameters())
     grads = {_name(n): _full(p.grad) for n, p in model.named_parameters()} if has_grad else {}
@@ -490,7 +277,7 @@ def env_run(rank: int) -> dict[str, Any]:
 
 
 def scenarios(rank: int, world: int, strategy: str) -> dict[str, Any]:
-    """Everything tests/test_distributed.py checks for one strategy, in one spawn."""
+    """Everything tests/parallel/test_distributed.py checks for one strategy, in one start."""
     d64, d32 = data_fp64(), data_fp32()
     return {
         "env": env_run(rank),

@@ -11,7 +11,6 @@ import json
 import logging
 import math
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -31,19 +30,20 @@ from gradstep.checkpoint import (
     elastic_accum_steps,
 )
 from gradstep_demo.train import WarmupCosine
-
-from checkpoint_helpers import (  # isort: skip
+from tests.checkpoint.helpers import (
     LR,
     MAX_STEPS,
     WARMUP,
     assert_same_state,
     build,
     scramble_rng,
-    snapshot,
+    snapshot_run,
     train,
 )
+from tests.checkpoint.kill_child import new_model
+from tests.support.batches import text_corpus
 
-HERE = Path(__file__).parent
+ROOT = Path(__file__).resolve().parents[2]  # the repo root: kill_child runs with -m from it
 N = 4  # steps before and after the interruption
 
 
@@ -80,7 +80,7 @@ def test_resume_is_bitwise_identical_to_uninterrupted(
     first = train(run, N)
     Checkpointer(tmp_path, accum_steps=2).save(N, **run)
     rest = train(run, N)  # the uninterrupted run continues from the same RNG state
-    expected = snapshot(run)
+    expected = snapshot_run(run)
 
     resumed = build(precision, clip=clip())
     scramble_rng()
@@ -88,7 +88,7 @@ def test_resume_is_bitwise_identical_to_uninterrupted(
     after = train(resumed, N)
 
     assert after == rest  # dataclass equality: every float exactly equal
-    assert_same_state(snapshot(resumed), expected)
+    assert_same_state(snapshot_run(resumed), expected)
     assert [s.step for s in first + after] == list(range(1, 2 * N + 1))
     # The LR schedule continues from the global step: no second warm-up.
     schedule = WarmupCosine(WARMUP, MAX_STEPS, 0.1)
@@ -254,7 +254,7 @@ def test_corrupted_newest_falls_back_to_the_previous(
     checkpointer = Checkpointer(tmp_path)
     train(run, 1)
     checkpointer.save(1, **run)
-    expected = snapshot(run)
+    expected = snapshot_run(run)
     train(run, 1)
     checkpointer.save(2, **run)
     corrupt(tmp_path / "step-000002" / filename)
@@ -262,7 +262,7 @@ def test_corrupted_newest_falls_back_to_the_previous(
     resumed = build()
     with caplog.at_level(logging.WARNING, logger="gradstep.checkpoint"):
         assert checkpointer.load_latest(**resumed) == 1
-    assert_same_state(snapshot(resumed), expected)
+    assert_same_state(snapshot_run(resumed), expected)
     [record] = caplog.records  # exactly one line per unusable checkpoint
     message = record.getMessage()
     assert "\n" not in message and "step-000002" in message and reason in message
@@ -286,17 +286,17 @@ def test_nothing_valid_returns_none(tmp_path: Path, caplog: pytest.LogCaptureFix
 
 
 def _kill_child(*args: str) -> Any:
-    """Run tests/checkpoint_kill_child.py (one interpreter; it forks per case)."""
-    cmd = [sys.executable, str(HERE / "checkpoint_kill_child.py"), *args]
+    """Run tests/checkpoint/kill_child.py (one interpreter; it forks per case)."""
+    cmd = [sys.executable, "-m", "tests.checkpoint.kill_child", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.splitlines()[-1])
 
 
 def _loaded_step(directory: Path) -> int | None:
     """What a fresh process would resume: the step, checked against the saved contents."""
-    model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.Linear(1024, 512))
+    model = new_model()
     counter = Blob()
     step = Checkpointer(directory).load_latest(model=model, counter=counter)
     if step is not None:
@@ -367,14 +367,14 @@ def test_incompatible_model_lists_keys_and_changes_nothing(
     Checkpointer(tmp_path).save(2, **run)
     other = build(**overrides)
     train(other, 1)
-    before = snapshot(other)
+    before = snapshot_run(other)
     with pytest.raises(CheckpointError) as info:
         Checkpointer(tmp_path).load_latest(**other)
     message = str(info.value)
     assert "step-000002" in message and "Nothing was loaded" in message
     for key in keys:
         assert key in message
-    assert_same_state(snapshot(other), before)
+    assert_same_state(snapshot_run(other), before)
 
 
 def test_unexpected_keys_are_listed(tmp_path: Path) -> None:
@@ -392,11 +392,11 @@ def test_a_refused_object_rolls_back_the_others(tmp_path: Path) -> None:
     Checkpointer(tmp_path).save(2, **run)
     other = build()
     other["data"].seed = 99  # a differently configured stream
-    before = snapshot(other)
+    before = snapshot_run(other)
     ordered = {k: other[k] for k in ("stepper", "scheduler", "data", "model", "optimizer")}
     with pytest.raises(CheckpointError, match="data refused its saved state.*seed"):
         Checkpointer(tmp_path).load_latest(**ordered)
-    assert_same_state(snapshot(other), before)
+    assert_same_state(snapshot_run(other), before)
 
 
 def test_names_must_match_unless_not_strict(tmp_path: Path) -> None:
@@ -452,8 +452,8 @@ def test_data_position_is_global_across_world_sizes(
     JSON); W' ranks resume with k' = k*W/W'. Interleaved by stride, everything consumed is
     the single-process stream exactly. The corpus is tiny (a few micro-batches per epoch)
     so saves land on and past epoch boundaries."""
-    from checkpoint_helpers import MICRO, SEQ, batch_id, docs
     from gradstep_demo.data import TrainBatches
+    from tests.checkpoint.helpers import MICRO, SEQ, batch_id, docs
 
     corpus = docs(n=2, size=90)
     per_epoch = len(TrainBatches(corpus, SEQ, MICRO, seed=3)._epoch_plan(0))
@@ -502,9 +502,8 @@ def test_elastic_2_1_2_ranks_keeps_the_stream_and_the_state(tmp_path: Path) -> N
     saved state; the micro-batches consumed over the whole run are the uninterrupted
     stream, each exactly once, in the same places; the DCP checkpoint of 2 ranks also loads
     into DDP on 2 ranks and, saved from DDP, into 1 process."""
-    from distributed_helpers import run_ranks
-
-    from checkpoint_helpers import (  # isort: skip
+    from gradstep_demo.data import TrainBatches
+    from tests.checkpoint.helpers import (
         MICRO,
         SEQ,
         assert_same_full_state,
@@ -514,7 +513,7 @@ def test_elastic_2_1_2_ranks_keeps_the_stream_and_the_state(tmp_path: Path) -> N
         elastic_phase_then_rewrap,
         full_state,
     )
-    from gradstep_demo.data import TrainBatches
+    from tests.support.multiproc import run_ranks
 
     ckpt, ddp_ckpt = str(tmp_path / "run"), str(tmp_path / "ddp")
     s1, s2, s3 = ELASTIC_STEPS
@@ -572,16 +571,6 @@ CLI_TINY = [
 ]  # fmt: skip
 
 
-def _text_corpus(folder: Path) -> Path:
-    folder.mkdir()
-    gen = random.Random(0)
-    words = ["def", "return", "self", "value", "for", "in", "if", "else", "None", "(x)"]
-    for i in range(6):
-        lines = [" ".join(gen.choices(words, k=8)) for _ in range(40)]
-        (folder / f"f{i}.py").write_text("\n".join(lines) + "\n")
-    return folder
-
-
 def _rows(run: Path) -> list[dict[str, Any]]:
     """The deterministic part of each metrics line (no wall times, no memory)."""
     keep = {f.name for f in dataclasses.fields(gradstep.StepStats)} | {"val_loss"}
@@ -603,7 +592,7 @@ def test_cli_resume_is_bitwise_identical(tmp_path: Path, monkeypatch: pytest.Mon
     (parameters, optimizer, RNG: same sha256) equal the uninterrupted run's."""
     from gradstep_demo.cli import main
 
-    args = [*CLI_TINY, "--data", str(_text_corpus(tmp_path / "data"))]
+    args = [*CLI_TINY, "--data", str(text_corpus(tmp_path / "data"))]
     whole, crashed = tmp_path / "whole", tmp_path / "crashed"
     assert main(["train", *args, "--out", str(whole)]) == 0
 
@@ -638,7 +627,7 @@ def test_cli_resume_is_bitwise_identical(tmp_path: Path, monkeypatch: pytest.Mon
 def test_cli_resume_errors_are_clear(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from gradstep_demo.cli import main
 
-    args = [*CLI_TINY, "--data", str(_text_corpus(tmp_path / "data"))]
+    args = [*CLI_TINY, "--data", str(text_corpus(tmp_path / "data"))]
     assert main(["train", *args, "--out", str(tmp_path / "a"), "--resume", "nope"]) == 2
     assert "--resume" in capsys.readouterr().err
     assert main(["train", *args, "--max-steps", "3", "--out", str(tmp_path / "a")]) == 0

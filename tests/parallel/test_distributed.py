@@ -1,6 +1,6 @@
 """DDP and FSDP2: 2 ranks x k micro-batches give the step of one process on one big batch.
 
-Every claim is checked on real 2-process gloo runs (tests/distributed_helpers.py) against
+Every claim is checked on real 2-process gloo runs (tests/parallel/scenarios.py) against
 ``reference_run``: one process, all 2k micro-batches of a step concatenated into one batch,
 float64, mean token loss, ``clip_grad_norm_``, AdamW. The two ranks get different token
 counts (first steps: 19 vs 92 and 41 vs 134 tokens), so any mean-of-means or world-size
@@ -28,10 +28,13 @@ import pytest
 import torch
 from torch import nn
 
-import distributed_helpers as h
 import gradstep.parallel as gd
 from gradstep.parallel.instrumentation import count_gradient_comms
 from gradstep_demo.data import IGNORE_INDEX
+from tests.parallel import scenarios as sc
+from tests.support.asserts import flat_named, rel_err, rel_err_named
+from tests.support.models import TINY_GPT, tiny_gpt
+from tests.support.multiproc import free_port, run_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(150)]
 
@@ -42,33 +45,33 @@ FP32 = 1e-6
 @pytest.fixture(scope="module", params=["ddp", "fsdp"])
 def runs(request: pytest.FixtureRequest) -> dict:
     """One spawn per strategy runs every scenario; the tests below read its results."""
-    return {"strategy": request.param, "ranks": h.run_ranks(h.scenarios, 2, request.param)}
+    return {"strategy": request.param, "ranks": run_ranks(sc.scenarios, 2, request.param)}
 
 
 @pytest.fixture(scope="module")
 def ref64() -> list[dict]:
-    return h.reference_run(h.data_fp64(), h.MAX_NORM, h.STEPS)
+    return sc.reference_run(sc.data_fp64(), sc.MAX_NORM, sc.STEPS)
 
 
 @pytest.fixture(scope="module")
 def ref32() -> list[dict]:
-    return h.reference_run(h.data_fp32(), h.MAX_NORM, h.STEPS)
+    return sc.reference_run(sc.data_fp32(), sc.MAX_NORM, sc.STEPS)
 
 
 def _groups(strategy: str) -> int:
     """Gradient collectives per full sync: DDP packs this tiny model (27 KB) into one
     bucket (25 MB cap); FSDP2 reduces once per fully_shard group: 2 blocks + the root."""
-    return 1 if strategy == "ddp" else h.MODEL.n_layer + 1
+    return 1 if strategy == "ddp" else TINY_GPT.n_layer + 1
 
 
 def _param_bytes(dtype: torch.dtype) -> int:
-    numel = sum(p.numel() for p in h.tiny_gpt().parameters())  # tied head counted once
+    numel = sum(p.numel() for p in tiny_gpt().parameters())  # tied head counted once
     return numel * torch.empty((), dtype=dtype).element_size()
 
 
 def test_ranks_have_different_token_counts() -> None:
     """Guard on the data: the parity tests below are only meaningful if this holds."""
-    for data in (h.data_fp64(), h.data_fp32()):
+    for data in (sc.data_fp64(), sc.data_fp32()):
         for step in data:
             tokens = [sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in r) for r in step]
             assert tokens[1] > 2 * tokens[0], tokens
@@ -86,25 +89,25 @@ def test_float64_step_is_exactly_the_full_batch_step(runs: dict, ref64: list[dic
             assert stats.grad_norm == pytest.approx(want["grad_norm"], rel=EXACT), where
             assert stats.clip_coef == pytest.approx(want["clip_coef"], rel=EXACT), where
             assert stats.clipped and want["clip_coef"] < 1, where
-            assert h.rel_err(got["grads"], want["grads"]) <= EXACT, where
-        assert h.rel_err(res["fp64"]["params"], ref64[-1]["params"]) <= EXACT
+            assert rel_err_named(got["grads"], want["grads"]) <= EXACT, where
+        assert rel_err_named(res["fp64"]["params"], ref64[-1]["params"]) <= EXACT
 
 
 def test_float32_step_matches_float64_reference(runs: dict, ref32: list[dict]) -> None:
-    init = {n: p.detach() for n, p in h.tiny_gpt(torch.float64).named_parameters()}
+    init = {n: p.detach() for n, p in tiny_gpt(torch.float64).named_parameters()}
     for rank, res in enumerate(runs["ranks"]):
         where = f"{runs['strategy']} rank {rank}"
         steps = res["fp32"]["steps"]
-        assert h.rel_err(steps[0]["grads"], ref32[0]["grads"]) <= FP32, where
+        assert rel_err_named(steps[0]["grads"], ref32[0]["grads"]) <= FP32, where
         for got, want in zip(steps, ref32, strict=True):
             assert got["stats"].items == want["items"], where
             assert got["stats"].grad_norm == pytest.approx(want["grad_norm"], rel=FP32), where
             assert got["stats"].clip_coef == pytest.approx(want["clip_coef"], rel=FP32), where
-        params, ref_params = h.flat(res["fp32"]["params"]), h.flat(ref32[-1]["params"])
-        assert h.global_rel_err(params, ref_params) <= FP32, where
+        params, ref_params = flat_named(res["fp32"]["params"]), flat_named(ref32[-1]["params"])
+        assert rel_err(params, ref_params) <= FP32, where
         # The update itself (not diluted by the initial weights) to 1e-5.
-        update = h.flat(res["fp32"]["params"], init)
-        assert h.global_rel_err(update, h.flat(ref32[-1]["params"], init)) <= 1e-5, where
+        update = flat_named(res["fp32"]["params"], init)
+        assert rel_err(update, flat_named(ref32[-1]["params"], init)) <= 1e-5, where
 
 
 def test_norm_clip_and_loss_identical_on_every_rank(runs: dict) -> None:
@@ -141,24 +144,24 @@ def test_one_gradient_reduction_per_optimizer_step_whatever_k(runs: dict) -> Non
 def test_inf_norm_is_the_max_over_every_shard(runs: dict) -> None:
     """The inf-norm of FSDP2 shards is a max over ranks (not a sum of squares), and the
     largest entry lives on one rank's shard only."""
-    ref = h.reference_run(h.data_fp64(), h.MAX_NORM_INF, 1, norm_type=math.inf)[0]
+    ref = sc.reference_run(sc.data_fp64(), sc.MAX_NORM_INF, 1, norm_type=math.inf)[0]
     for res in runs["ranks"]:
         step = res["inf"]["steps"][0]
         assert step["stats"].grad_norm == pytest.approx(ref["grad_norm"], rel=EXACT)
         assert step["stats"].clip_coef == pytest.approx(ref["clip_coef"], rel=EXACT)
         assert ref["clip_coef"] < 1
-        assert h.rel_err(step["grads"], ref["grads"]) <= EXACT
+        assert rel_err_named(step["grads"], ref["grads"]) <= EXACT
 
 
 def test_clip_value_decides_on_the_global_max_on_every_rank(runs: dict) -> None:
     """Each rank holds different shards; all must agree to clamp (no rank left waiting)."""
-    ref = h.reference_run(h.data_fp64(), None, 1)[0]
-    want = {n: g.clamp(-h.CLIP_VALUE, h.CLIP_VALUE) for n, g in ref["grads"].items()}
-    assert max(float(g.abs().max()) for g in ref["grads"].values()) > h.CLIP_VALUE
+    ref = sc.reference_run(sc.data_fp64(), None, 1)[0]
+    want = {n: g.clamp(-sc.CLIP_VALUE, sc.CLIP_VALUE) for n, g in ref["grads"].items()}
+    assert max(float(g.abs().max()) for g in ref["grads"].values()) > sc.CLIP_VALUE
     for res in runs["ranks"]:
         step = res["value"]["steps"][0]
-        assert step["stats"].clipped and step["stats"].clip_threshold == h.CLIP_VALUE
-        assert h.rel_err(step["grads"], want) <= EXACT
+        assert step["stats"].clipped and step["stats"].clip_threshold == sc.CLIP_VALUE
+        assert rel_err_named(step["grads"], want) <= EXACT
     a, b = (res["value"]["steps"][0]["stats"] for res in runs["ranks"])
     assert a.post_clip_norm == b.post_clip_norm and a.clip_coef == b.clip_coef
 
@@ -168,9 +171,9 @@ def test_sync_each_micro_batch_reduces_k_times_and_stays_exact(
 ) -> None:
     for res in runs["ranks"]:
         step = res["sync_each"]["steps"][0]
-        assert step["comm_calls"] == h.K * _groups(runs["strategy"])
+        assert step["comm_calls"] == sc.K * _groups(runs["strategy"])
         assert step["totals_all_reduces"] == 1
-        assert h.rel_err(step["grads"], ref64[0]["grads"]) <= EXACT
+        assert rel_err_named(step["grads"], ref64[0]["grads"]) <= EXACT
         assert step["stats"].grad_norm == pytest.approx(ref64[0]["grad_norm"], rel=EXACT)
 
 
@@ -182,7 +185,7 @@ def test_bf16_reduces_and_accumulates_in_float32(runs: dict, ref64: list[dict]) 
         assert step["grad_dtypes"] == {torch.float32}
         assert step["stats"].items == ref64[0]["items"]
         assert step["stats"].grad_norm == pytest.approx(ref64[0]["grad_norm"], rel=2e-2)
-        assert h.global_rel_err(h.flat(step["grads"]), h.flat(ref64[0]["grads"])) <= 3e-2
+        assert rel_err(flat_named(step["grads"]), flat_named(ref64[0]["grads"])) <= 3e-2
 
 
 def test_nan_on_one_rank_skips_on_every_rank(runs: dict) -> None:
@@ -205,20 +208,20 @@ def test_a_failed_micro_batch_leaves_gradient_sync_on(runs: dict) -> None:
     assert a["has_grad"] and b["has_grad"]
     for name in a["grads"]:
         assert torch.equal(a["grads"][name], b["grads"][name]), name
-    want = h.single_backward_reference(4)
-    assert h.rel_err(a["grads"], want) < EXACT
+    want = sc.single_backward_reference(4)
+    assert rel_err_named(a["grads"], want) < EXACT
 
 
 def test_different_window_lengths_raise_on_every_rank_without_hanging() -> None:
     """Rank 1 passes one micro-batch more. DDP's forward has no collective, so the
     Stepper's window all-reduce catches it; FSDP2's forward all-gathers, so the lengths
     must be compared before the first forward. A hang fails after 15 s (gloo timeout)."""
-    ranks = h.run_ranks(h.uneven_scenarios, 2, timeout=90, collective_timeout_s=15)
+    ranks = run_ranks(sc.uneven_scenarios, 2, timeout=90, collective_timeout_s=15)
     for rank, res in enumerate(ranks):
         for strategy in ("ddp", "fsdp"):
             error = res[strategy]["error"]
             assert error is not None and "different lengths" in error, (strategy, rank, error)
-            assert f"this rank: {h.K + rank} micro-batches" in error
+            assert f"this rank: {sc.K + rank} micro-batches" in error
             assert res[strategy]["probe"] == 2.0  # the group still works afterwards
 
 
@@ -276,7 +279,7 @@ def test_quiet_unless_main(
 
 
 def test_find_blocks() -> None:
-    gpt = h.tiny_gpt()
+    gpt = tiny_gpt()
     assert gd.find_blocks(gpt) == list(gpt.blocks)
     assert gd.find_blocks(gpt, "blocks") == list(gpt.blocks)
     # Only the outermost ModuleList: its children are the blocks, not their insides.
@@ -306,7 +309,7 @@ def test_torchrun_cli_two_ranks(strategy: str, tmp_path: Path) -> None:
     out = tmp_path / "run"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-        f"--master_port={h.free_port()}", "-m", "gradstep", "train",
+        f"--master_port={free_port()}", "-m", "gradstep", "train",
         "--strategy", strategy, "--device", "cpu", "--data", str(_corpus(tmp_path)),
         "--n-layer", "2", "--n-head", "2", "--d-model", "32", "--seq-len", "32",
         "--micro-batch-size", "2", "--accum-steps", "2", "--max-steps", "3",

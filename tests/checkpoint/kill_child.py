@@ -1,7 +1,9 @@
 """Child process of the SIGKILL tests: checkpoints saved by processes that die mid-save.
 
-    python checkpoint_kill_child.py DIR points POINT[,POINT...]   -> {"point": signal, ...}
-    python checkpoint_kill_child.py DIR random ROUNDS SEED        -> [loaded step, ...]
+    python -m tests.checkpoint.kill_child DIR points POINT[,POINT...]   -> {"point": signal, ...}
+    python -m tests.checkpoint.kill_child DIR random ROUNDS SEED        -> [loaded step, ...]
+
+(from the repo root; it imports nothing of the test suite, only gradstep).
 
 Every checkpoint of step s holds a model whose parameters all equal s and an object whose
 state is {"step": s}, so a loader can tell exactly which save it got. ``points``: for each
@@ -79,7 +81,7 @@ def install(point: str) -> None:
     if point == "mid_tensor_file":  # model.safetensors half written
         wrap(safetensors.torch, "save_file", after=lambda tensors, path: truncate_and_die(path))
     elif point == "before_manifest":  # every tensor file done, no manifest
-        wrap(layout, "_write_manifest", before=lambda *a: die())
+        wrap(layout, "_write_manifest", before=lambda *a, **k: die())
     elif point == "mid_manifest":  # manifest.json half written
         wrap(
             layout,
@@ -93,7 +95,7 @@ def install(point: str) -> None:
             before=lambda src, dst: die() if Path(src).name.startswith(".tmp") else None,
         )
     elif point == "before_prune":  # published, the oldest not yet pruned
-        wrap(layout, "_prune", before=lambda *a: die())
+        wrap(layout, "_prune", before=lambda *a, **k: die())
     elif point == "mid_prune":  # the oldest renamed away, half deleted
         wrap(shutil, "rmtree", before=half_delete_and_die)
     else:

@@ -1,4 +1,4 @@
-"""Shared pieces of tests/test_checkpoint.py: a tiny training setup and exact comparisons.
+"""Shared pieces of tests/checkpoint/test_checkpoint.py: a tiny run and exact comparisons.
 
 ``build()`` returns every stateful object of a run by the names the Checkpointer gets
 (model, optimizer, scheduler, stepper, data), with dropout on so the RNG state matters,
@@ -92,7 +92,7 @@ def scramble_rng(seed: int = 999) -> None:
     torch.manual_seed(seed)
 
 
-def snapshot(run: dict[str, Any]) -> dict[str, Any]:
+def snapshot_run(run: dict[str, Any]) -> dict[str, Any]:
     """Deep copies of everything a resume must restore, for bitwise comparisons."""
     model, optimizer = run["model"], run["optimizer"]
     names = {id(p): n for n, p in model.named_parameters()}

@@ -1,4 +1,4 @@
-"""Helpers of tests/test_adaptive.py: a one-parameter harness and plain references.
+"""Helpers of tests/policies/test_adaptive.py: a one-parameter harness, plain references.
 
 The scalar model's gradient IS a chosen number (loss = w * g, loss value = the offset), so
 a step's global norm is g and, with SGD(lr=1), the clipped gradient is the parameter change.
@@ -165,48 +165,44 @@ def fsdp_policies(model: nn.Module) -> list:
     ]
 
 
-def fsdp_worker(rank: int, world: int, init_file: str) -> None:
-    import torch.distributed as dist
+def fsdp_worker(rank: int, world: int) -> None:
+    """On each of ``world`` ranks (``run_ranks``): the policies under FSDP2 on this rank's
+    share of every window match one process stepping the whole window."""
     from torch.distributed.fsdp import fully_shard
 
-    # File rendezvous: no TCP port to pick, so no race with other tests' process groups.
-    dist.init_process_group("gloo", f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        torch.manual_seed(0)
-        ref = Wide().double()
-        sharded = copy.deepcopy(ref)
-        fully_shard(sharded.fc)
-        fully_shard(sharded)
-        make = lambda m: Stepper(m, torch.optim.SGD(m.parameters(), lr=0.5), clip=fsdp_policies(m))
-        local, dist_stepper = make(ref), make(sharded)
-        gen = torch.Generator().manual_seed(1)
-        units, zclip_acted = [], 0
-        for step in range(7):
-            scale = {3: 8.0, 5: 30.0}.get(step, 1.0)  # 3: clipped by ZClip; 5: skipped
-            mbs = [
-                (torch.randn(3, 4, generator=gen, dtype=torch.float64),
-                 scale * torch.randn(3, 3, generator=gen, dtype=torch.float64))
-                for _ in range(4)
-            ]  # fmt: skip
-            want = local.step(mbs, lambda m, mb: LossSum((m(mb[0]) - mb[1]).square().sum(), 3))
-            got = dist_stepper.step(
-                mbs[rank::world], lambda m, mb: LossSum((m(mb[0]) - mb[1]).square().sum(), 3)
+    torch.manual_seed(0)
+    ref = Wide().double()
+    sharded = copy.deepcopy(ref)
+    fully_shard(sharded.fc)
+    fully_shard(sharded)
+    make = lambda m: Stepper(m, torch.optim.SGD(m.parameters(), lr=0.5), clip=fsdp_policies(m))
+    local, dist_stepper = make(ref), make(sharded)
+    gen = torch.Generator().manual_seed(1)
+    units, zclip_acted = [], 0
+    for step in range(7):
+        scale = {3: 8.0, 5: 30.0}.get(step, 1.0)  # 3: clipped by ZClip; 5: skipped
+        mbs = [
+            (torch.randn(3, 4, generator=gen, dtype=torch.float64),
+             scale * torch.randn(3, 3, generator=gen, dtype=torch.float64))
+            for _ in range(4)
+        ]  # fmt: skip
+        want = local.step(mbs, lambda m, mb: LossSum((m(mb[0]) - mb[1]).square().sum(), 3))
+        got = dist_stepper.step(
+            mbs[rank::world], lambda m, mb: LossSum((m(mb[0]) - mb[1]).square().sum(), 3)
+        )
+        assert got.skipped == want.skipped and got.skip_reason == want.skip_reason
+        assert dist_stepper.clip[2].clipped_units == local.clip[2].clipped_units
+        units.append(local.clip[2].clipped_units)
+        zclip_acted += got.policies[1]["acted"] if len(got.policies) > 1 else 0
+        for a, b in zip(got.policies, want.policies, strict=True):
+            assert (a["name"], a["acted"]) == (b["name"], b["acted"])
+            assert a["threshold"] == (
+                None if b["threshold"] is None else pytest.approx(b["threshold"], rel=1e-10)
             )
-            assert got.skipped == want.skipped and got.skip_reason == want.skip_reason
-            assert dist_stepper.clip[2].clipped_units == local.clip[2].clipped_units
-            units.append(local.clip[2].clipped_units)
-            zclip_acted += got.policies[1]["acted"] if len(got.policies) > 1 else 0
-            for a, b in zip(got.policies, want.policies, strict=True):
-                assert (a["name"], a["acted"]) == (b["name"], b["acted"])
-                assert a["threshold"] == (
-                    None if b["threshold"] is None else pytest.approx(b["threshold"], rel=1e-10)
-                )
-            assert got.grad_norm == pytest.approx(want.grad_norm, rel=1e-10)
-            assert got.post_clip_norm == pytest.approx(want.post_clip_norm, rel=1e-10, nan_ok=True)
-        # The case is what we think: one skip, ZClip acted, AGC clipped some units, not all.
-        assert local.skipped_steps == 1 == dist_stepper.skipped_steps and zclip_acted == 1
-        assert any(0 < u < 11 for u in units), units
-        for (_name, p), q in zip(sharded.named_parameters(), ref.parameters(), strict=True):
-            torch.testing.assert_close(p.full_tensor(), q.detach(), rtol=1e-10, atol=1e-12)
-    finally:
-        dist.destroy_process_group()
+        assert got.grad_norm == pytest.approx(want.grad_norm, rel=1e-10)
+        assert got.post_clip_norm == pytest.approx(want.post_clip_norm, rel=1e-10, nan_ok=True)
+    # The case is what we think: one skip, ZClip acted, AGC clipped some units, not all.
+    assert local.skipped_steps == 1 == dist_stepper.skipped_steps and zclip_acted == 1
+    assert any(0 < u < 11 for u in units), units
+    for (_name, p), q in zip(sharded.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.full_tensor(), q.detach(), rtol=1e-10, atol=1e-12)

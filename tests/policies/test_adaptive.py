@@ -4,7 +4,7 @@ Most tests drive a one-parameter model whose gradient IS a chosen number: loss =
 the step's global norm is g, and with SGD(lr=1) the clipped gradient is visible as the
 parameter change. The expected values are computed the plain way, in float64, from the
 papers' formulas (``statistics``, sorted lists, explicit per-row loops), independently of
-the implementation; the harness and the references are in ``adaptive_helpers.py``.
+the implementation; the harness and the references are in ``helpers.py``.
 """
 
 from __future__ import annotations
@@ -32,8 +32,7 @@ from gradstep.policies import (
     find_output_layer,
     parse_clip,
 )
-
-from adaptive_helpers import (  # isort: skip
+from tests.policies.helpers import (
     ConvNet,
     Run,
     agc_reference,
@@ -470,12 +469,12 @@ def test_clip_policies_for_the_cli():
 
 @pytest.mark.distributed
 @pytest.mark.timeout(90)
-def test_agc_zclip_spike_guard_under_fsdp2_match_single_process(tmp_path):
-    import torch.multiprocessing as mp
+def test_agc_zclip_spike_guard_under_fsdp2_match_single_process():
+    from tests.support.multiproc import run_ranks
 
     if not torch.distributed.is_available():
         pytest.skip("torch.distributed is not available")
-    mp.spawn(fsdp_worker, args=(2, str(tmp_path / "rendezvous")), nprocs=2, join=True)
+    run_ranks(fsdp_worker, 2, timeout=75)
 
 
 # ------------------------------------------------------------------ the CLI

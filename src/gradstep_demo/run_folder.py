@@ -1,0 +1,233 @@
+"""The rules that keep one run per run folder, and make ``--resume`` honest.
+
+- A folder that holds a run (its config, metrics, summary or checkpoints) is only trained
+  into again with ``--resume`` / ``--resume-or-start`` (continue it) or ``--overwrite``
+  (delete that run's files first): two runs never mix in one folder.
+- One trainer at a time: rank 0 holds an exclusive ``flock`` on ``OUT/.gradstep.lock`` for
+  the whole run; the kernel releases it when the process ends, however it ends.
+- ``--resume`` that finds no valid checkpoint is an error (``--resume-or-start`` is the
+  explicit "continue if there is something to continue"). ``--resume DIR`` accepts a
+  checkpoints folder, a run folder (its ``checkpoints/``) or one ``step-N`` folder.
+- A resumed run runs the checkpoint's settings. A flag given on the command line that
+  differs from them is applied when it only says how far or how visibly to go on
+  (``CONTINUABLE``), left to the checkpoint's own checks when it changes the model or the
+  data (shapes, data layout: refused there with the details), and refused here otherwise
+  (the learning-rate schedule, the clip policy, precision, the global batch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from gradstep.checkpoint import Checkpointer, CheckpointInfo
+from gradstep.checkpoint.codec import decode
+from gradstep.metrics import FINISHED_FILE
+
+from .config import RESUME_AUTO, ConfigError, TrainConfig
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: no advisory locks, the folder rules stay
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = [
+    "CONTINUABLE",
+    "ENVIRONMENT",
+    "LOCK_FILE",
+    "RUN_FILES",
+    "find_checkpoint",
+    "holds_run",
+    "locked",
+    "merge_settings",
+    "prepare",
+]
+
+LOCK_FILE = ".gradstep.lock"
+RUN_FILES = (
+    "config.json",
+    "metrics.jsonl",
+    "summary.json",
+    FINISHED_FILE,
+    "checkpoints",
+    "tensorboard",
+    "report",
+)
+# What a run may change when it is resumed: how far it goes and what it shows.
+CONTINUABLE = frozenset(
+    {
+        "max_steps",
+        "eval_every",
+        "eval_batches",
+        "log_every",
+        "sample_tokens",
+        "save_every",
+        "keep_checkpoints",
+        "tensorboard",
+    }
+)
+# Where and how this process runs: always this invocation's, never the checkpoint's.
+ENVIRONMENT = frozenset(
+    {
+        "out",
+        "resume",
+        "resume_or_start",
+        "overwrite",
+        "device",
+        "threads",
+        "strategy",
+        "collective_timeout",
+    }
+)
+# Changes the model or the data stream: the checkpoint's own checks refuse a misfit with
+# the exact shapes / fields, so a flag given is passed on to them unchanged.
+CHECKED_ON_LOAD = frozenset(
+    {"n_layer", "n_head", "d_model", "seq_len", "micro_batch_size", "data", "seed"}
+)
+
+
+def holds_run(out: Path) -> bool:
+    """True when ``out`` has files of an earlier run."""
+    return any((out / name).exists() for name in RUN_FILES)
+
+
+@contextlib.contextmanager
+def locked(out: Path) -> Iterator[None]:
+    """Create ``out`` and hold its lock for the ``with`` block (rank 0 only)."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        handle = open(out / LOCK_FILE, "a+")  # noqa: SIM115 - held open for the whole run
+    except FileExistsError:
+        raise ConfigError(f"--out {str(out)!r} exists and is not a folder") from None
+    except OSError as exc:
+        raise ConfigError(
+            f"--out {str(out)!r}: cannot write the run folder ({exc.strerror or exc})"
+        ) from None
+    with handle:
+        if fcntl is not None:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                handle.seek(0)
+                holder = handle.read().strip() or "?"
+                raise ConfigError(
+                    f"--out {str(out)!r} is in use by another gradstep train (pid {holder}); "
+                    "wait for it to finish or train into another --out"
+                ) from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"{os.getpid()}\n")
+        handle.flush()
+        yield
+
+
+def find_checkpoint(cfg: TrainConfig) -> CheckpointInfo | None:
+    """The checkpoint this invocation continues, None for a new run; raises ConfigError
+    for a resume that finds nothing."""
+    out = Path(cfg.out)
+    if cfg.resume is None and not cfg.resume_or_start:
+        return None
+    if cfg.resume_or_start or cfg.resume == RESUME_AUTO:
+        where = out / "checkpoints"
+    else:
+        where = Path(cfg.resume)
+        if not where.exists():
+            raise ConfigError(f"--resume {cfg.resume!r}: no such checkpoint folder")
+        if (where / "checkpoints").is_dir():  # a run folder
+            where = where / "checkpoints"
+    if (where / "manifest.json").exists():  # one step-N folder
+        info = Checkpointer(where.parent).inspect(where)
+    else:
+        info = Checkpointer(where).latest() if where.is_dir() else None
+    if info is not None or (cfg.resume_or_start and not holds_run(out)):
+        return info
+    hint = (
+        f"{str(out)!r} holds a run without one: --overwrite starts over"
+        if cfg.resume_or_start
+        else "--resume-or-start starts a new run when there is none"
+    )
+    raise ConfigError(
+        f"--resume: no valid checkpoint in {str(where)!r} (unusable ones are listed above); {hint}"
+    )
+
+
+def prepare(cfg: TrainConfig, info: CheckpointInfo | None) -> None:
+    """Enforce the one-run-per-folder rule on rank 0, before anything is written."""
+    out = Path(cfg.out)
+    if not holds_run(out):
+        return
+    if info is not None:
+        if info.path.resolve().is_relative_to(out.resolve()):
+            return  # continuing this folder's own run
+        raise ConfigError(
+            f"--out {str(out)!r} holds another run; a run resumed from {str(info.path)!r} "
+            "needs an empty --out (or that run's own folder)"
+        )
+    if not cfg.overwrite:
+        raise ConfigError(
+            f"--out {str(out)!r} already holds a run; pass --resume to continue it, "
+            "--overwrite to delete it and start over, or choose a new --out"
+        )
+    for name in RUN_FILES:
+        path = out / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+
+
+def saved_settings(info: CheckpointInfo) -> dict[str, Any] | None:
+    """The settings the checkpointed run ran with (None for checkpoints that predate them)."""
+    entry = info.manifest["objects"].get("config")
+    return None if entry is None else decode(entry["state"], {})
+
+
+def merge_settings(
+    cfg: TrainConfig, saved: dict[str, Any], given: frozenset[str], elastic_accum: int
+) -> tuple[TrainConfig, list[str]]:
+    """The settings a resumed run runs with, and the lines that say what was decided.
+
+    ``given`` are the fields this invocation set explicitly (flags, config file). A field
+    not given takes the checkpoint's value; a given one must be continuable or fit.
+    """
+    now = dataclasses.asdict(cfg)
+    merged, refused, taken = dict(saved), [], []
+    for name, value in now.items():
+        # A setting newer than the checkpoint, where this process runs, or a given flag the
+        # run may change (or the load will check): this invocation's value.
+        mine = name not in saved or name in ENVIRONMENT
+        if mine or (name in given and name in CONTINUABLE | CHECKED_ON_LOAD):
+            merged[name] = value
+        elif name == "accum_steps":
+            if name in given and value not in (saved[name], elastic_accum):
+                refused.append(
+                    f"--accum-steps {value} (the checkpoint's global batch needs "
+                    f"{elastic_accum} on this world size)"
+                )
+            merged[name] = elastic_accum
+        elif name in given and value != saved[name]:
+            flag = "--" + name.replace("_", "-")
+            refused.append(f"{flag} {value!r} (the checkpoint ran {saved[name]!r})")
+        elif value != saved[name]:
+            taken.append(f"{name}={saved[name]!r}")
+    if refused:
+        raise ConfigError(
+            "--resume continues a run with its own settings; refused: "
+            + "; ".join(refused)
+            + ". Drop these flags, or start a new run with another --out"
+        )
+    notes = [f"resume: the checkpoint's settings apply: {', '.join(taken)}"] if taken else []
+    if merged["max_steps"] != saved["max_steps"]:
+        notes.append(
+            f"resume: training to step {merged['max_steps']}; the learning-rate schedule "
+            f"keeps the checkpoint's max_steps {saved['max_steps']}"
+        )
+    try:
+        return TrainConfig(**merged), notes
+    except ConfigError as exc:
+        raise ConfigError(f"--resume: the resumed settings do not fit: {exc}") from None
