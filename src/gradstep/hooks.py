@@ -11,7 +11,9 @@ The points, in step order:
 - ``on_step_start(stepper)``: before the first micro-batch (gradients already zeroed).
 - ``on_param_grad(stepper, index, name, param, grad)``: during micro-batch ``index``'s
   backward, once per parameter, with that micro-batch's OWN gradient before it is summed
-  into the accumulation (``grad`` is the local, un-normalised gradient of the loss SUM,
+  into the accumulation, on every strategy (under FSDP2: the full, unsharded gradient of
+  this rank's micro-batch, before the reduce-scatter; ``grad`` is the local, un-normalised
+  gradient of the loss SUM,
   multiplied by the fp16 loss scale and pre-scale when fp16 runs: divide by
   ``stepper.loss_scale_factor`` to undo both). The tensor is only lent: read it (a norm, a
   dot product) and keep scalars, so no full-size buffer is needed. Only hooks that define
@@ -32,7 +34,7 @@ A step that raises calls no further hook; ``on_step_start`` is then not matched 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -98,12 +100,18 @@ class Hooks:
 
     @contextlib.contextmanager
     def param_grads(
-        self, stepper: Stepper, named: Sequence[tuple[str, nn.Parameter]], index: int
+        self,
+        stepper: Stepper,
+        targets: Callable[[], Sequence[tuple[str, nn.Parameter, torch.Tensor]]],
+        index: int,
     ) -> Iterator[None]:
         """Lend each parameter's micro-batch gradient to ``on_param_grad`` during one backward.
 
         ``Tensor.register_hook`` on a leaf sees the gradient before autograd adds it to
         ``.grad`` (and before DDP's reducer or the fp32 accumulation buffers take it).
+        ``targets()`` says which tensor carries each parameter's gradient (under FSDP2 the
+        unsharded copy: :meth:`gradstep.parallel.Strategy.hook_targets`); it is asked
+        only when some hook observes gradients.
         """
         calls = self.on_param_grad  # type: ignore[attr-defined]
         if not calls:
@@ -117,7 +125,7 @@ class Hooks:
 
             return seen
 
-        handles = [p.register_hook(make(n, p)) for n, p in named]
+        handles = [t.register_hook(make(n, p)) for n, p, t in targets()]
         try:
             yield
         finally:

@@ -329,13 +329,16 @@ class Stepper:
                     items = items + loss.count
                     if isinstance(loss.count, torch.Tensor):
                         negative = negative + (loss.count < 0)
-                    with self.hooks.param_grads(self, self._named, n - 1):
+                    with self.hooks.param_grads(self, self._hook_targets, n - 1):
                         self._precision.backward(loss.total, loss.count, self._mean_over_ranks)
                 for call in self.hooks.on_micro_batch_end:
                     call(self, n - 1, is_last, loss)
         if n == 0:
             raise ValueError("micro_batches is empty: a window needs at least one micro-batch")
         return self._reduce_totals(loss_sum, items, negative, n), n
+
+    def _hook_targets(self) -> list[tuple[str, nn.Parameter, torch.Tensor]]:
+        return self._strategy.hook_targets(self._named)
 
     def _mean_over_ranks(self, count: Any) -> float:
         local = torch.as_tensor(count, dtype=torch.float64).reshape(1).cpu()

@@ -248,6 +248,55 @@ def raising_window_run(rank: int, strategy: str) -> dict[str, Any]:
     return {"error": error, "has_grad": has_grad, "grads": grads}
 
 
+class _SquaredNorms:
+    """A hook recording, per micro-batch, each parameter's squared gradient norm."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, dict[str, float]] = {}
+
+    def on_param_grad(self, stepper: Any, index: int, name: str, param: Any, grad: Any) -> None:
+        self.seen.setdefault(index, {})[_name(name)] = float(grad.double().square().sum())
+
+
+def param_grad_run(rank: int, strategy: str, sync_each: bool) -> dict[int, dict[str, float]]:
+    """Two windows (the first all-gathers FSDP2's unsharded parameters for the first time)
+    with a hook that observes every micro-batch's own gradient."""
+    import gradstep
+
+    data = make_windows(2, 2, K, seed=5)
+    model, opt, _, _ = _setup(strategy, None, dtype=torch.float64)
+    hook = _SquaredNorms()
+    stepper = gradstep.Stepper(model, opt, clip=None, hooks=[hook], sync_each_micro_batch=sync_each)
+    seen = []
+    for window in data:
+        stepper.step(window[rank], lm_loss)
+        seen.append(hook.seen)
+        hook.seen = {}
+    return seen
+
+
+def param_grad_reference(rank: int) -> list[dict[int, dict[str, float]]]:
+    """One process: the same two AdamW steps; each micro-batch's own gradient of its loss
+    sum, as the hook must see it on ``rank``."""
+    import gradstep
+
+    data = make_windows(2, 2, K, seed=5)
+    model = tiny_gpt(torch.float64)
+    opt = adamw(model.parameters())
+    seen = []
+    for window in data:
+        per_mb = {}
+        for i, mb in enumerate(window[rank]):
+            model.zero_grad()
+            lm_loss(model, mb).total.backward()
+            per_mb[i] = {n: float(p.grad.square().sum()) for n, p in model.named_parameters()}
+        seen.append(per_mb)
+        # The update both ranks take: the full-batch mean over both ranks' micro-batches.
+        stepper = gradstep.Stepper(model, opt, clip=None)
+        stepper.step([mb for r in window for mb in r], lm_loss)
+    return seen
+
+
 K = 3  # micro-batches per rank in the float64 runs
 K_FP32 = 5  # ... and in the float32 run: the communication counts must not depend on k
 STEPS = 3
@@ -291,6 +340,8 @@ def scenarios(rank: int, world: int, strategy: str) -> dict[str, Any]:
         "nan": nan_run(rank, d64, strategy, MAX_NORM),
         "value": parity_run(rank, d64, strategy, 1, None, False, torch.float64, value=CLIP_VALUE),
         "raising": raising_window_run(rank, strategy),
+        "param_grad": param_grad_run(rank, strategy, False),
+        "param_grad_sync_each": param_grad_run(rank, strategy, True),
     }
 
 

@@ -212,6 +212,22 @@ def test_a_failed_micro_batch_leaves_gradient_sync_on(runs: dict) -> None:
     assert rel_err_named(a["grads"], want) < EXACT
 
 
+@pytest.mark.parametrize("case", ["param_grad", "param_grad_sync_each"])
+def test_hooks_see_each_micro_batchs_own_gradient_on_every_strategy(runs: dict, case: str):
+    """``on_param_grad`` lends every parameter's gradient of each micro-batch, before it is
+    summed or reduced: under FSDP2 too (the unsharded gradient), in the first window and
+    later ones, with and without sync on every micro-batch. Float64, against one process."""
+    for rank, result in enumerate(runs["ranks"]):
+        want = sc.param_grad_reference(rank)
+        got = result[case]
+        assert [sorted(w) for w in got] == [sorted(w) for w in want]  # every micro-batch
+        for step, (g, w) in enumerate(zip(got, want, strict=True)):
+            for i in w:
+                assert g[i].keys() == w[i].keys(), (step, i)
+                for name in w[i]:
+                    assert g[i][name] == pytest.approx(w[i][name], rel=EXACT), (step, i, name)
+
+
 def test_different_window_lengths_raise_on_every_rank_without_hanging() -> None:
     """Rank 1 passes one micro-batch more. DDP's forward has no collective, so the
     Stepper's window all-reduce catches it; FSDP2's forward all-gathers, so the lengths

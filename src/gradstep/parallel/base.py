@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+from torch import nn
 
 __all__ = ["Strategy", "local_norm", "window_length_error"]
 
@@ -62,6 +63,13 @@ class Strategy(Protocol):
 
     def discard_partial_grads(self) -> None:
         """Forget gradients a failed window accumulated outside ``param.grad``."""
+        ...
+
+    def hook_targets(
+        self, named: Sequence[tuple[str, nn.Parameter]]
+    ) -> list[tuple[str, nn.Parameter, torch.Tensor]]:
+        """(name, parameter, tensor whose autograd gradient is that parameter's micro-batch
+        gradient): the parameter itself, except where the backend computes on a copy."""
         ...
 
 
@@ -133,6 +141,11 @@ class ProcessGroupStrategy:
 
     def discard_partial_grads(self) -> None:
         return None  # DDP's no_sync accumulates in param.grad, which zero_grad clears
+
+    def hook_targets(
+        self, named: Sequence[tuple[str, nn.Parameter]]
+    ) -> list[tuple[str, nn.Parameter, torch.Tensor]]:
+        return [(n, p, p) for n, p in named]
 
     def _check_group_size(self, size: int, what: str) -> None:
         from ..errors import UnsupportedSetup

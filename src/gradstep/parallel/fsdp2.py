@@ -48,6 +48,30 @@ class FSDP2Strategy(ProcessGroupStrategy):
             if not enabled:
                 self.model.set_requires_gradient_sync(True)  # type: ignore[operator]
 
+    def hook_targets(
+        self, named: Sequence[tuple[str, nn.Parameter]]
+    ) -> list[tuple[str, nn.Parameter, torch.Tensor]]:
+        """Where each micro-batch's own gradient appears: FSDP2 computes it on the
+        unsharded parameter it all-gathers (one tensor object per parameter, reused by
+        every forward), not on the sharded ``nn.Parameter`` the model lists, which only
+        ever receives the reduce-scattered shard. Needs the first forward to have run."""
+        from torch.distributed.fsdp import FSDPModule
+
+        owner = {id(p): (n, p) for n, p in named}
+        out = []
+        for module in self.model.modules():
+            group = (
+                module._get_fsdp_state()._fsdp_param_group
+                if isinstance(module, FSDPModule)
+                else None
+            )
+            for fsdp_param in group.fsdp_params if group is not None else ():
+                found = owner.get(id(fsdp_param.sharded_param))
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                if found is not None and unsharded is not None:
+                    out.append((*found, unsharded))
+        return out
+
     def discard_partial_grads(self) -> None:
         """Drop the unreduced gradients of micro-batches that ran without sync.
 

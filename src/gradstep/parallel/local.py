@@ -6,6 +6,7 @@ import contextlib
 from collections.abc import Sequence
 
 import torch
+from torch import nn
 
 from .base import local_norm
 
@@ -36,3 +37,8 @@ class LocalStrategy:
 
     def discard_partial_grads(self) -> None:
         return None
+
+    def hook_targets(
+        self, named: Sequence[tuple[str, nn.Parameter]]
+    ) -> list[tuple[str, nn.Parameter, torch.Tensor]]:
+        return [(n, p, p) for n, p in named]
