@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.gradstep-installed
 
-.PHONY: venv train test test-gpu lint bench clean
+.PHONY: venv train test test-gpu lint bench clean mutants
 
 # OpenMP threads that busy-wait for each other slow torch 10-20x on a small shared machine
 # (2 cores, tests running 2 ranks): let idle threads sleep.
@@ -30,8 +30,13 @@ test-gpu: venv
 	$(PY) -m pytest -q -m cuda tests/gpu
 
 lint: venv
-	$(PY) -m ruff check src tests bench examples
-	$(PY) -m ruff format --check src tests bench examples
+	$(PY) -m ruff check src tests bench examples tools
+	$(PY) -m ruff format --check src tests bench examples tools
+
+# Realistic bugs applied one at a time to a copy of src/; every one must make a test fail.
+# Not part of CI (several minutes); exits non-zero when a mutation survives.
+mutants: venv
+	$(PY) tools/mutants.py
 
 bench: venv
 	$(PY) bench/parity.py
