@@ -7,7 +7,7 @@ against the built-ins keeps working.
 
 from __future__ import annotations
 
-__all__ = ["GradstepError", "UnsupportedSetup"]
+__all__ = ["GradstepError", "MicroBatchTooLarge", "UnsupportedSetup"]
 
 
 class GradstepError(Exception):
@@ -16,3 +16,7 @@ class GradstepError(Exception):
 
 class UnsupportedSetup(GradstepError, NotImplementedError):
     """A parallel layout or model gradstep cannot keep exact (e.g. tensor parallel meshes)."""
+
+
+class MicroBatchTooLarge(GradstepError, MemoryError):
+    """``on_oom="split"`` reached micro-batches of one item and they still do not fit."""

@@ -13,6 +13,7 @@ multiply itself is kept pending and done in the same pass as a norm clip.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -24,6 +25,14 @@ from torch import nn
 
 from .hooks import Hooks
 from .loss import LossSum, check_loss_sum
+from .memory.split import (
+    SplitFn,
+    halve,
+    is_out_of_memory,
+    split_in_half,
+    too_large,
+    too_large_error,
+)
 from .parallel import Strategy, strategy_for, window_length_error
 from .policies import ClipNorm, ClipPolicy, GradientView, as_policies
 from .precision import Precision
@@ -33,6 +42,11 @@ __all__ = ["LossFn", "StepStats", "Stepper", "windows"]
 T = TypeVar("T")
 LossFn = Callable[[nn.Module, Any], LossSum]
 _DEFAULT_CLIP = object()
+ON_OOM = ("raise", "split")
+
+
+class _WindowOOM(Exception):
+    """Some rank ran out of memory in this window: every rank drops it and splits."""
 
 
 @dataclass
@@ -57,6 +71,8 @@ class StepStats:
     loss_scale: float | None = None
     policies: list[dict] = field(default_factory=list)
     """Per clip policy: name, threshold used, whether it acted."""
+    oom_splits: int = 0
+    """Halvings of the micro-batches this step needed after out-of-memory (on_oom="split")."""
 
 
 def windows(iterable: Iterable[T], size: int) -> Iterator[list[T]]:
@@ -135,6 +151,12 @@ class Stepper:
         hooks: observers called at fixed points of every step (:mod:`gradstep.hooks`).
         strategy: how gradients are synchronised (:mod:`gradstep.parallel`); None detects
             it from the model's wrapper.
+        on_oom: ``"raise"`` (default), or ``"split"``: on out-of-memory in a micro-batch's
+            forward, loss or backward, drop the window's gradients, halve every micro-batch
+            (``split_fn``, default :func:`gradstep.memory.split_in_half`) and run the
+            window again; later windows start halved. The update is unchanged (the loss
+            is normalised by items). On several ranks every rank splits together.
+        split_fn: cuts one micro-batch in two (None when it holds one item).
     """
 
     def __init__(
@@ -148,6 +170,8 @@ class Stepper:
         sync_each_micro_batch: bool = False,
         hooks: list[Any] | None = None,
         strategy: Strategy | None = None,
+        on_oom: str = "raise",
+        split_fn: SplitFn | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -165,6 +189,14 @@ class Stepper:
                 "scheduler must be None or an LR scheduler with step() (e.g. "
                 f"torch.optim.lr_scheduler.LambdaLR), got {type(scheduler).__name__}"
             )
+        if on_oom not in ON_OOM:
+            raise ValueError(f"on_oom must be one of {', '.join(ON_OOM)}; got {on_oom!r}")
+        if split_fn is not None and not callable(split_fn):
+            raise TypeError(f"split_fn must be None or a callable, got {type(split_fn).__name__}")
+        self.on_oom = on_oom
+        self.split_fn = split_fn or split_in_half
+        self.oom_halvings = 0
+        """How many times every micro-batch is halved before it runs (grows on OOM)."""
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -239,24 +271,43 @@ class Stepper:
                 f"or a generator; not a tuple or a string), got a {type(micro_batches).__name__}; "
                 "wrap a single batch in a list: stepper.step([batch], loss_fn)"
             )
+        if self.on_oom == "split":
+            micro_batches = halve(list(micro_batches), self.split_fn, self.oom_halvings)
         if self._strategy.forward_communicates:
             # FSDP2's forward all-gathers parameters: a rank with one micro-batch more
             # would pair those all-gathers with the other ranks' reductions and hang, so
             # the window lengths are compared before the first forward (one collective).
             micro_batches = list(micro_batches)
             self._strategy.check_window(len(micro_batches))
-        try:
-            stats = self._step(micro_batches, loss_fn)
-        except BaseException:
-            # A failed step leaves nothing behind: no gradients (also none held inside the
-            # backend), no half-done fp16 unscale.
-            self._precision.skip(self.optimizer, overflow=False)
-            self.optimizer.zero_grad(set_to_none=True)
-            self._strategy.discard_partial_grads()
-            raise
+        splits = 0
+        while True:
+            try:
+                stats = self._step(micro_batches, loss_fn)
+                break
+            except _WindowOOM:
+                self._drop_window()
+                # Raised on every rank together: a rank that can still shrink its own
+                # micro-batches keeps the others' windows the same length.
+                flag = torch.tensor([float(too_large(micro_batches))], dtype=torch.float64)
+                if self._strategy.all_reduce_sum(flag).item() == self.world_size:
+                    raise too_large_error(self.oom_halvings) from None
+                self.oom_halvings += 1
+                micro_batches = halve(micro_batches, self.split_fn, 1)
+                splits += 1
+            except BaseException:
+                self._drop_window()
+                raise
+        stats.oom_splits = splits
         for call in self.hooks.on_step_end:
             call(self, stats)
         return stats
+
+    def _drop_window(self) -> None:
+        """A failed step leaves nothing behind: no gradients (also none held inside the
+        backend), no half-done fp16 unscale."""
+        self._precision.skip(self.optimizer, overflow=False)
+        self.optimizer.zero_grad(set_to_none=True)
+        self._strategy.discard_partial_grads()
 
     def _step(self, micro_batches: Iterable[Any], loss_fn: LossFn) -> StepStats:
         self.optimizer.zero_grad(set_to_none=True)
@@ -319,23 +370,66 @@ class Stepper:
         items: Any = 0
         negative: Any = 0
         n = 0
-        with self._precision.accumulating():
+        split = self.on_oom == "split"
+        guard = self._out_of_memory_agreed if split else contextlib.nullcontext
+        agreeing = self._agreement_before_forwards() if split else contextlib.nullcontext()
+        with agreeing, self._precision.accumulating():
             for n, (is_last, mb) in enumerate(_mark_last(micro_batches), start=1):  # noqa: B007
                 with self._strategy.sync(is_last or self.sync_each_micro_batch):
-                    with self._precision.autocast():
+                    with guard(), self._precision.autocast():
                         loss = check_loss_sum(loss_fn(self.model, mb))
                     # Kept on the loss's device: no host sync until the window's end.
                     loss_sum = loss_sum + loss.total.detach().to(torch.float64)
                     items = items + loss.count
                     if isinstance(loss.count, torch.Tensor):
                         negative = negative + (loss.count < 0)
-                    with self.hooks.param_grads(self, self._hook_targets, n - 1):
+                    with guard(), self.hooks.param_grads(self, self._hook_targets, n - 1):
                         self._precision.backward(loss.total, loss.count, self._mean_over_ranks)
                 for call in self.hooks.on_micro_batch_end:
                     call(self, n - 1, is_last, loss)
         if n == 0:
             raise ValueError("micro_batches is empty: a window needs at least one micro-batch")
         return self._reduce_totals(loss_sum, items, negative, n), n
+
+    @contextlib.contextmanager
+    def _out_of_memory_agreed(self) -> Iterator[None]:
+        """With ``on_oom="split"``: turn an out-of-memory error into a window split that
+        every rank takes together (see :meth:`_agree`)."""
+        failed = False
+        try:
+            yield
+        except _WindowOOM:
+            raise
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+            failed = True
+        self._agree(failed)
+
+    def _agree(self, failed: bool) -> None:
+        """Raise _WindowOOM on every rank when any rank ran out of memory.
+
+        Every agreement point is the same one-number all-reduce: after each forward, after
+        each backward, and (where forwards communicate: FSDP2's all-gathers) before each
+        communicating module's forward. A rank that fails early therefore meets its peers
+        at their next agreement point, never inside an all-gather or a gradient reduction.
+        """
+        if self.world_size > 1:
+            flag = torch.tensor([float(failed)], dtype=torch.float64)
+            failed = bool(self._strategy.all_reduce_sum(flag).item() > 0)
+        if failed:
+            raise _WindowOOM
+
+    @contextlib.contextmanager
+    def _agreement_before_forwards(self) -> Iterator[None]:
+        modules = self._strategy.communicating_modules() if self.world_size > 1 else []
+        hook = lambda module, args: self._agree(False)  # noqa: E731
+        handles = [m.register_forward_pre_hook(hook, prepend=True) for m in modules]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
 
     def _hook_targets(self) -> list[tuple[str, nn.Parameter, torch.Tensor]]:
         return self._strategy.hook_targets(self._named)
@@ -451,6 +545,7 @@ class Stepper:
             "precision": self._precision.state_dict(),
             "clip": [_state_of(p) for p in self._clip],
             "clip_types": [type(p).__name__ for p in self._clip],
+            "oom_halvings": self.oom_halvings,
             "hooks": [_state_of(h) for h in self.hooks],
         }
 
@@ -475,6 +570,7 @@ class Stepper:
         self.skipped_steps = int(state["skipped_steps"])
         self.clipped_steps = int(state["clipped_steps"])
         self.skip_reasons = Counter(state.get("skip_reasons", {}))
+        self.oom_halvings = int(state.get("oom_halvings", 0))
         self._precision.load_state_dict(state.get("precision", {}), state.get("loss_hint"))
         objects = [*self._clip, *self.hooks.items]
         for obj, sd in zip(objects, [*clip_states, *hook_states], strict=True):

@@ -72,6 +72,11 @@ class Strategy(Protocol):
         gradient): the parameter itself, except where the backend computes on a copy."""
         ...
 
+    def communicating_modules(self) -> list[nn.Module]:
+        """Modules whose forward starts with a collective (FSDP2 units all-gather, DDP with
+        buffers broadcasts), in no particular order; empty when forwards do not talk."""
+        ...
+
 
 def window_length_error(n: int, n_sum: float, n2_sum: float, world: int) -> RuntimeError | None:
     """The error for ranks whose windows differ, from sums over ranks of n and n^2.
@@ -146,6 +151,10 @@ class ProcessGroupStrategy:
         self, named: Sequence[tuple[str, nn.Parameter]]
     ) -> list[tuple[str, nn.Parameter, torch.Tensor]]:
         return [(n, p, p) for n, p in named]
+
+    def communicating_modules(self) -> list[nn.Module]:
+        model = getattr(self, "model", None)
+        return [model] if self.forward_communicates and model is not None else []
 
     def _check_group_size(self, size: int, what: str) -> None:
         from ..errors import UnsupportedSetup

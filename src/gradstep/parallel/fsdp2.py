@@ -72,6 +72,11 @@ class FSDP2Strategy(ProcessGroupStrategy):
                     out.append((*found, unsharded))
         return out
 
+    def communicating_modules(self) -> list[nn.Module]:
+        from torch.distributed.fsdp import FSDPModule
+
+        return [m for m in self.model.modules() if isinstance(m, FSDPModule)]
+
     def discard_partial_grads(self) -> None:
         """Drop the unreduced gradients of micro-batches that ran without sync.
 

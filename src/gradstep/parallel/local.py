@@ -42,3 +42,6 @@ class LocalStrategy:
         self, named: Sequence[tuple[str, nn.Parameter]]
     ) -> list[tuple[str, nn.Parameter, torch.Tensor]]:
         return [(n, p, p) for n, p in named]
+
+    def communicating_modules(self) -> list[nn.Module]:
+        return []
