@@ -22,7 +22,15 @@ from .config import TrainConfig, load_toml, resolve
 __all__ = ["build_parser", "main"]
 
 Handler = Callable[[argparse.Namespace], int]
-_METAVARS = {"data": "PATH", "out": "DIR", "resume": "PATH", "clip": "SPEC", "device": "DEVICE"}
+_METAVARS = {
+    "data": "PATH",
+    "out": "DIR",
+    "resume": "PATH",
+    "clip": "SPEC",
+    "device": "DEVICE",
+    "micro_batch_size": "N|auto",
+    "memory_budget": "SIZE",
+}
 
 
 def _flag_type(hint: typing.Any) -> type:
@@ -37,11 +45,17 @@ def _add_train_parser(sub: argparse._SubParsersAction) -> None:
         help="train the demo byte-level GPT with the exact accumulate-and-clip step",
         description="Train a small byte-level GPT. Precedence: defaults < --config < flags.",
     )
+    _add_config_flags(parser)
+    parser.set_defaults(handler=_run_train)
+
+
+def _add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per TrainConfig field (and ``--config``), shared by train and plan."""
     parser.add_argument("--config", metavar="FILE.toml", help="TOML file of train settings")
     hints = typing.get_type_hints(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
-        kind = _flag_type(hints[f.name])
+        kind = f.metadata.get("type") or _flag_type(hints[f.name])
         if kind is bool:  # --flag / --no-flag; argparse's type=bool would take "False" as True
             parser.add_argument(
                 flag,
@@ -62,9 +76,8 @@ def _add_train_parser(sub: argparse._SubParsersAction) -> None:
             help=f"{f.metadata['help']} (default: {f.default})",
             metavar=None
             if "choices" in f.metadata
-            else _METAVARS.get(f.name, kind.__name__.upper()),
+            else _METAVARS.get(f.name, getattr(kind, "__name__", "VALUE").upper()),
         )
-    parser.set_defaults(handler=_run_train)
 
 
 def _run_train(args: argparse.Namespace) -> int:

@@ -42,6 +42,7 @@ __all__ = [
 PRECISIONS = tuple(_PRECISION_DTYPES)
 DEVICES = ("auto", "cpu", "cuda", "mps")
 RESUME_AUTO = "auto"  # bare `--resume`: the run folder's checkpoints/
+AUTO = "auto"  # --micro-batch-size auto
 
 
 class ConfigError(GradstepError, ValueError):
@@ -64,8 +65,26 @@ class TrainConfig:
     # data
     data: str | None = _f(None, "text file, folder (recursive) or glob; default: stdlib .py")
     seq_len: int = _f(128, "maximum tokens (bytes) per sequence")
-    micro_batch_size: int = _f(8, "sequences per micro-batch (what fits in memory)")
+    micro_batch_size: int | str = _f(
+        8,
+        "sequences per micro-batch (what fits in memory), or auto: planned from "
+        "--memory-budget (needs --global-batch)",
+        type=lambda v: v if v == AUTO else int(v),
+    )
     accum_steps: int = _f(4, "micro-batches accumulated into one optimizer step")
+    global_batch: int | None = _f(
+        None,
+        "sequences per optimizer step over all ranks, exact even when not a multiple of the "
+        "micro-batch (the last one is shorter); replaces --accum-steps",
+    )
+    memory_budget: str | None = _f(
+        None,
+        "memory per device for --micro-batch-size auto and gradstep plan, e.g. 1.5GiB or "
+        "800MB (default: the device's free memory)",
+    )
+    activation_checkpointing: bool = _f(
+        False, "recompute each transformer block in backward instead of keeping activations"
+    )
     # the step
     clip: str = _f("norm:1.0", f"gradient clipping, one of: {spec_help()}")
     spike_guard: bool = _f(
@@ -120,7 +139,7 @@ class TrainConfig:
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
                 raise ConfigError(f"{f.name} must be a finite number, got {value}")
-        positive = ("n_layer", "n_head", "d_model", "seq_len", "micro_batch_size", "accum_steps")
+        positive = ("n_layer", "n_head", "d_model", "seq_len", "accum_steps")
         for name in (*positive, "max_steps", "eval_batches", "log_every", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -147,6 +166,7 @@ class TrainConfig:
             )
         if not 0 <= self.seed < 2**32:
             raise ConfigError(f"seed must be in [0, 2**32), got {self.seed}")
+        self._validate_batch()
         if not self.out.strip():
             raise ConfigError("out must name a run folder, got an empty path")
         if not self.collective_timeout > 0:
@@ -169,6 +189,29 @@ class TrainConfig:
         except ValueError as exc:
             raise ConfigError(f"clip: {exc}") from exc
 
+    def _validate_batch(self) -> None:
+        mbs = self.micro_batch_size
+        if mbs != AUTO and (isinstance(mbs, str) or mbs < 1):
+            raise ConfigError(f"micro_batch_size must be an int >= 1 or 'auto', got {mbs!r}")
+        if mbs == AUTO and self.global_batch is None:
+            raise ConfigError(
+                "micro_batch_size 'auto' needs global_batch (sequences per optimizer step): "
+                "the planner chooses how to split it"
+            )
+        if self.global_batch is not None and self.global_batch < 1:
+            raise ConfigError(f"global_batch must be >= 1, got {self.global_batch}")
+        if self.memory_budget is not None:
+            from gradstep.memory import parse_size
+
+            try:
+                parse_size(self.memory_budget)
+            except ValueError as exc:
+                raise ConfigError(f"memory_budget: {exc}") from None
+
+    @property
+    def auto_micro_batch(self) -> bool:
+        return self.micro_batch_size == AUTO
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -180,16 +223,18 @@ def _hints() -> dict[str, Any]:
 
 def _coerce(name: str, value: Any, hint: Any) -> Any:
     """Check ``value`` against the field type; accept an int where a float is expected."""
-    args = typing.get_args(hint)
-    optional = (typing.get_origin(hint) in (typing.Union, types.UnionType)) and type(None) in args
-    if optional:
-        if value is None:
-            return None
-        hint = next(a for a in args if a is not type(None))
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    kinds = [a for a in typing.get_args(hint)] if union else [hint]
+    if value is None and type(None) in kinds:
+        return None
+    kinds = [k for k in kinds if k is not type(None)]
+    if float in kinds and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
-        raise ConfigError(f"{name} must be of type {hint.__name__}, got {value!r}")
+    if isinstance(value, bool) and bool not in kinds:
+        value = object()  # True is an int to Python, not to a config file
+    if not any(isinstance(value, k) for k in kinds):
+        shown = " or ".join(k.__name__ for k in kinds)
+        raise ConfigError(f"{name} must be of type {shown}, got {value!r}")
     return value
 
 

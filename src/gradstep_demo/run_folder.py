@@ -69,8 +69,12 @@ CONTINUABLE = frozenset(
         "save_every",
         "keep_checkpoints",
         "tensorboard",
+        "memory_budget",
+        "activation_checkpointing",
     }
 )
+# With an exact global batch the split into micro-batches is only a memory setting.
+CONTINUABLE_EXACT = frozenset({"micro_batch_size", "accum_steps"})
 # Where and how this process runs: always this invocation's, never the checkpoint's.
 ENVIRONMENT = frozenset(
     {
@@ -197,12 +201,15 @@ def merge_settings(
     """
     now = dataclasses.asdict(cfg)
     merged, refused, taken = dict(saved), [], []
+    continuable = CONTINUABLE | (CONTINUABLE_EXACT if saved.get("global_batch") else set())
     for name, value in now.items():
         # A setting newer than the checkpoint, where this process runs, or a given flag the
         # run may change (or the load will check): this invocation's value.
         mine = name not in saved or name in ENVIRONMENT
-        if mine or (name in given and name in CONTINUABLE | CHECKED_ON_LOAD):
+        if mine or (name in given and name in continuable | CHECKED_ON_LOAD):
             merged[name] = value
+        elif name in continuable:
+            pass  # not given: the checkpoint's
         elif name == "accum_steps":
             if name in given and value not in (saved[name], elastic_accum):
                 refused.append(

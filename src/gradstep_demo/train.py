@@ -34,13 +34,15 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from gradstep import LossSum, Stepper, StepStats, parallel, token_loss, windows
+from gradstep import LossSum, Stepper, StepStats, parallel, token_loss
 from gradstep.checkpoint import Checkpointer, CheckpointInfo
+from gradstep.memory import checkpoint_blocks
 from gradstep.metrics import FINISHED_FILE, MetricsLogger
 from gradstep.metrics import jsonable as _jsonable
 from gradstep.policies import clip_policies
 
 from . import run_folder
+from .batching import Layout, layout_for, windows_of
 from .config import ConfigError, TrainConfig
 from .data import Batch, Corpus, DataError, TrainBatches, load_corpus, validation_batches
 from .model import GPT, GPTConfig, generate
@@ -155,6 +157,8 @@ class _Run:
     val: list[Batch]
     corpus: Corpus
     accum_steps: int
+    """Micro-batches per window on each rank."""
+    layout: Layout
     progress: _Progress = field(default_factory=lambda: _Progress())
     start: int = 0
     """Steps already taken: the step of the checkpoint resumed from."""
@@ -178,7 +182,9 @@ class _Progress:
             setattr(self, key, [tuple(r) for r in value] if key == "recent" else value)
 
 
-def _setup(cfg: TrainConfig, env: parallel.DistEnv, info: CheckpointInfo | None) -> _Run:
+def _setup(
+    cfg: TrainConfig, env: parallel.DistEnv, info: CheckpointInfo | None, planned: bool = False
+) -> _Run:
     rank, world, device = env.rank, env.world_size, env.device
     out = Path(cfg.out)
     torch.manual_seed(cfg.seed)
@@ -190,19 +196,26 @@ def _setup(cfg: TrainConfig, env: parallel.DistEnv, info: CheckpointInfo | None)
         max_seq_len=cfg.seq_len,
         dropout=cfg.dropout,
     )
+    layout = layout_for(cfg, world)
     # Same seed on every rank: DDP and FSDP2 both start from identical weights.
     model = GPT(model_cfg).to(device)
+    if cfg.activation_checkpointing:
+        checkpoint_blocks(model)  # before sharding, as FSDP2 expects
     model = parallel.prepare_model(model, cfg.strategy, cfg.precision)
     optimizer = build_optimizer(model, cfg)  # after sharding: FSDP2 steps its shards
     schedule = WarmupCosine(cfg.warmup, cfg.max_steps, cfg.min_lr / cfg.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     clip = clip_policies(cfg.clip, cfg.spike_guard, model)  # agc: output layer excluded
-    stepper = Stepper(model, optimizer, scheduler, clip=clip, precision=cfg.precision)
+    # A planned micro-batch is a prediction: if it is wrong, split it rather than crash.
+    on_oom = "split" if planned else "raise"
+    stepper = Stepper(
+        model, optimizer, scheduler, clip=clip, precision=cfg.precision, on_oom=on_oom
+    )
     train_iter = TrainBatches(
-        corpus.train, cfg.seq_len, cfg.micro_batch_size, cfg.seed, rank=rank, world_size=world
+        corpus.train, cfg.seq_len, layout.stream_rows, cfg.seed, rank=rank, world_size=world
     )
     val = validation_batches(
-        corpus.val, cfg.seq_len, cfg.micro_batch_size, cfg.eval_batches, rank, world
+        corpus.val, cfg.seq_len, layout.micro_batch_size, cfg.eval_batches, rank, world
     )
     # FSDP2 all-gathers in every forward: all ranks must evaluate as many batches.
     val = val[: parallel.min_over_ranks(len(val))]
@@ -223,7 +236,8 @@ def _setup(cfg: TrainConfig, env: parallel.DistEnv, info: CheckpointInfo | None)
         train_iter,
         val,
         corpus,
-        cfg.accum_steps,
+        layout.micro_batches,
+        layout,
     )
     if info is not None:
         _resume(run, info)
@@ -231,8 +245,8 @@ def _setup(cfg: TrainConfig, env: parallel.DistEnv, info: CheckpointInfo | None)
         run.checkpointer = Checkpointer(
             out / "checkpoints",
             cfg.keep_checkpoints,
-            accum_steps=run.accum_steps,
-            micro_batch_size=cfg.micro_batch_size,
+            accum_steps=layout.stream_items_per_window,
+            micro_batch_size=layout.stream_rows,
         )
     return run
 
@@ -275,10 +289,13 @@ def _resume(run: _Run, info: CheckpointInfo) -> None:
     run.start = info.step
     _note(run, f"resumed from {info.path} (step {info.step})")
     if info.accum_steps is not None and info.world_size != run.world_size:
+        rows = run.layout.rows_per_rank
+        what = "accum_steps" if rows is None else "sequences per step"
+        now = run.accum_steps if rows is None else rows
         _note(
             run,
-            f"the checkpoint ran {info.world_size} rank(s) x accum_steps {info.accum_steps}: "
-            f"using accum_steps {run.accum_steps} on {run.world_size} to keep the global batch",
+            f"the checkpoint ran {info.world_size} rank(s) x {what} {info.accum_steps}: "
+            f"using {what} {now} on {run.world_size} to keep the global batch",
         )
 
 
@@ -288,8 +305,14 @@ def _resumed_settings(
     """What a resumed run runs (the checkpoint's settings, plus what may change)."""
     if info is None:
         return cfg, []
-    elastic = cfg.accum_steps if info.accum_steps is None else info.accum_steps_for(world)
     saved = run_folder.saved_settings(info)
+    if (saved or {}).get("global_batch", cfg.global_batch) is not None:
+        # An exact global batch is split per rank by the layout: accum_steps plays no part.
+        elastic = (saved or {}).get("accum_steps", cfg.accum_steps)
+        if info.accum_steps is not None:
+            info.accum_steps_for(world)  # the global batch must still divide over the ranks
+    else:
+        elastic = cfg.accum_steps if info.accum_steps is None else info.accum_steps_for(world)
     if saved is None:  # an older checkpoint: only the global batch is known
         return dataclasses.replace(cfg, accum_steps=elastic), []
     return run_folder.merge_settings(cfg, saved, given, elastic)
@@ -333,7 +356,7 @@ def _loop(run: _Run, logger: MetricsLogger) -> dict[str, Any]:
         total=cfg.max_steps, initial=run.start, unit="step", dynamic_ncols=True, disable=None
     )
     todo = max(0, cfg.max_steps - run.start)
-    steps = itertools.islice(windows(run.train_iter, run.accum_steps), todo)
+    steps = itertools.islice(windows_of(run.train_iter, run.layout), todo)
     n = saved = run.start
     loss_fn = LMLoss(run.device)
     for n, window in enumerate(steps, start=run.start + 1):
@@ -382,7 +405,8 @@ def _summary(run: _Run, losses: dict[str, Any], started: float) -> dict[str, Any
         sample = generate(
             parallel.unwrap(run.model), SAMPLE_PROMPT, cfg.sample_tokens, 0.8, 40, gen
         )
-    effective = cfg.micro_batch_size * run.accum_steps * run.world_size
+    layout = run.layout
+    effective = layout.stream_items_per_window * layout.stream_rows * run.world_size
     return {
         **losses,
         "parameters": parallel.unwrap(run.model).num_parameters(),
