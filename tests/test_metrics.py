@@ -42,8 +42,20 @@ def fp64_reference(model: torch.nn.Module, seqs: list) -> tuple[float, float]:
     return loss, float(flat(grads).norm())
 
 
-def run_steps(logger: MetricsLogger, clip: float = 0.05) -> list[tuple]:
-    """Three Stepper steps through ``logger``; returns (stats, reference loss, norm) each."""
+def vmhwm_mib() -> float:
+    """This process's peak RSS read independently: ``VmHWM`` of /proc/self/status, which
+    the kernel writes in kB (KiB), converted to MiB."""
+    status = Path("/proc/self/status").read_text()
+    (line,) = [x for x in status.splitlines() if x.startswith("VmHWM:")]
+    value, unit = line.split()[1:]
+    assert unit == "kB"
+    return int(value) / 1024
+
+
+def run_steps(logger: MetricsLogger, clip: float = 0.05) -> list[dict]:
+    """Three Stepper steps through ``logger``. Returns, per step, the stats and what a
+    sink must see independently of them: the fp64 reference loss and norm, the item count
+    from the labels, the step time handed to ``log_step`` and VmHWM around that call."""
     model = TinyLM()
     stepper = gradstep.Stepper(
         model, torch.optim.SGD(model.parameters(), lr=0.5), clip=gradstep.ClipNorm(clip)
@@ -52,10 +64,16 @@ def run_steps(logger: MetricsLogger, clip: float = 0.05) -> list[tuple]:
     for seed, lengths in enumerate(LENGTHS):
         window, seqs = make_window(lengths, seed=seed)
         ref_loss, ref_norm = fp64_reference(model, seqs)
+        items = sum(int((labels != -100).sum()) for _, labels in seqs)
         t0 = time.perf_counter()
         stats = stepper.step(window, lm_loss)
-        logger.log_step(stats, time.perf_counter() - t0, val_loss=1.5 if seed == 1 else None)
-        out.append((stats, ref_loss, ref_norm))
+        elapsed = time.perf_counter() - t0
+        hwm_before = vmhwm_mib()
+        logger.log_step(stats, elapsed, val_loss=1.5 if seed == 1 else None)
+        hwm = (hwm_before, vmhwm_mib())
+        out.append(
+            dict(stats=stats, loss=ref_loss, norm=ref_norm, items=items, elapsed=elapsed, hwm=hwm)
+        )
     return out
 
 
@@ -65,15 +83,19 @@ def test_callback_sink_receives_every_step_with_exact_values(tmp_path: Path) -> 
         steps = run_steps(logger)
     assert len(received) == len(steps) == 3
     fields = [f.name for f in dataclasses.fields(gradstep.StepStats)]
-    for i, (rec, (stats, ref_loss, ref_norm)) in enumerate(zip(received, steps, strict=True)):
-        assert {k: rec[k] for k in fields} == dataclasses.asdict(stats)
+    for i, (rec, want) in enumerate(zip(received, steps, strict=True)):
+        assert {k: rec[k] for k in fields} == dataclasses.asdict(want["stats"])
         # The true window quantities (fp32 vs fp64 reference): measured rel. error <= 1.1e-7.
-        assert rec["loss"] == pytest.approx(ref_loss, rel=1e-6)
-        assert rec["grad_norm"] == pytest.approx(ref_norm, rel=1e-6)
+        assert rec["loss"] == pytest.approx(want["loss"], rel=1e-6)
+        assert rec["grad_norm"] == pytest.approx(want["norm"], rel=1e-6)
         assert rec["clipped"] and rec["post_clip_norm"] == pytest.approx(0.05, rel=1e-4)
         assert rec["clip_threshold"] == 0.05 and rec["lr"] == 0.5
-        assert rec["tokens_per_s"] == pytest.approx(stats.items / rec["step_time_s"])
-        assert rec["memory_source"] == "max_rss" and rec["peak_memory_mb"] > 0
+        # Throughput from the labels' item count and the step time this test passed in.
+        assert rec["items"] == want["items"] and rec["step_time_s"] == want["elapsed"]
+        assert rec["tokens_per_s"] == pytest.approx(want["items"] / want["elapsed"], rel=1e-12)
+        # Peak memory in MiB: VmHWM read just before and after log_step (it only grows).
+        lo, hi = want["hwm"]
+        assert rec["memory_source"] == "max_rss" and lo <= rec["peak_memory_mb"] <= hi
         assert ("val_loss" in rec) == (i == 1)
     # The JSON lines file holds the same records, one per line.
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
@@ -145,11 +167,15 @@ def test_jsonl_is_strict_json_and_appends(tmp_path: Path) -> None:
 
 
 def test_peak_memory_is_in_mib() -> None:
-    # 128 MiB touched by this process: max RSS must be at least that much, in MiB. A unit
-    # slip (KiB or bytes read as MiB) fails this in one direction or the other.
+    # 128 MiB touched by this process, then the reported peak against VmHWM read before
+    # and after it (the high-water mark only grows). A KiB slip is 1024x too large, a
+    # bytes slip 1024x too small: both far outside the 1 MiB margin.
     block = torch.ones(128 * 2**20 // 4)
+    before = vmhwm_mib()
     mib, source = peak_memory("cpu")
-    assert source == "max_rss" and 128 <= mib < 1e6
+    after = vmhwm_mib()
+    assert source == "max_rss" and mib >= 128
+    assert before - 1 <= mib <= after + 1
     del block
 
 

@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import gradstep
-from tests.support.asserts import assert_bitwise_equal, rel_err, snapshot
-from tests.support.batches import collate, make_window
+from tests.support.asserts import assert_bitwise_equal, flat, rel_err, snapshot
+from tests.support.batches import collate, make_window, rows
 from tests.support.models import TinyLM
 from tests.support.reference import lm_loss, reference_grads, reference_step
 
@@ -30,7 +30,7 @@ def stepper_grads(model, mbs, **kw):
     opt = torch.optim.SGD(m.parameters(), lr=0.0)
     stepper = gradstep.Stepper(m, opt, clip=None, **kw)
     stats = stepper.step(mbs, lm_loss)
-    return [p.grad.detach().clone() for p in m.parameters()], stats
+    return [None if p.grad is None else p.grad.detach().clone() for p in m.parameters()], stats
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 7])
@@ -58,26 +58,58 @@ def test_accumulated_gradient_equals_full_batch_fp64(k, data):
     torch.manual_seed(2)
     model = TinyLM().double()
     mbs, seqs = make_window(lengths, seed=10 + k)
-    if sum(int((s[1] != -100).sum()) for s in seqs) == 0:
+    items = sum(int((s[1] != -100).sum()) for s in seqs)
+    got, stats = stepper_grads(model, mbs)
+    assert stats.items == items
+    if items == 0:  # every label ignored: the step is skipped, not compared
+        assert stats.skipped and "0 items" in stats.skip_reason
         return
-    ref, _ = reference_grads(model, collate(seqs))
-    got, _ = stepper_grads(model, mbs)
+    ref, ref_loss = reference_grads(model, collate(seqs))
     assert rel_err(got, ref) <= 1e-12
+    assert stats.loss == pytest.approx(ref_loss, rel=1e-12)
+
+
+# Per k, a max_norm between the pre-clip norms of the 3 steps (norms of the reference,
+# k=1: 1.38, 1.38, 0.88; k=2: 0.55, 0.47, 0.59; k=3: 0.44, 0.33, 0.48; k=7: 0.26, 0.24,
+# 0.27), so ClipNorm acts on some steps and not on others. Were it to act on every step,
+# clipping and AdamW's scale invariance would hide any error in the gradient's scale.
+ADAMW_MAX_NORM = {1: 1.0, 2: 0.5, 3: 0.45, 7: 0.25}
+# The AdamW update of each step (params after - params before, all of them at once), fp32
+# against the fp32 full-batch step: measured <= 6.4e-7 (k=2, step 2). AdamW divides by
+# sqrt(v), so an element with a gradient near eps turns float32 rounding into a visible
+# update difference; 2e-6 leaves room for that. Normalising by the micro-batch count
+# instead of the item count (M1) is 8e-3 to 1e-1 off from step 2 on, for every k.
+UPDATE_TOL = 2e-6
+
+
+def flat64(model):
+    """Every parameter in one float64 vector (a copy)."""
+    return flat(list(model.parameters())).detach().double()
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 7])
 def test_parameters_after_three_adamw_steps_match_full_batch(k):
     torch.manual_seed(3)
+    max_norm = ADAMW_MAX_NORM[k]
     model = TinyLM()
     ref_model = copy.deepcopy(model)
     ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    stepper = gradstep.Stepper(model, opt, clip=gradstep.ClipNorm(0.5))
+    stepper = gradstep.Stepper(model, opt, clip=gradstep.ClipNorm(max_norm))
+    clipped = []
     for step in range(3):
         lengths = [[1 + (3 * i + step) % 9, 2 + (5 * i) % 7] for i in range(k)]
         mbs, seqs = make_window(lengths, seed=100 + step)
-        stepper.step(mbs, lm_loss)
-        reference_step(ref_model, collate(seqs), ref_opt, max_norm=0.5)
+        before, ref_before = flat64(model), flat64(ref_model)
+        stats = stepper.step(mbs, lm_loss)
+        ref = reference_step(ref_model, collate(seqs), ref_opt, max_norm=max_norm)
+        assert stats.grad_norm == pytest.approx(ref["grad_norm"], rel=1e-6), step
+        assert stats.clip_coef == pytest.approx(ref["clip_coef"], rel=1e-6), step
+        assert stats.clipped == (ref["clip_coef"] < 1.0), step
+        clipped.append(stats.clipped)
+        update, ref_update = flat64(model) - before, flat64(ref_model) - ref_before
+        assert rel_err(update, ref_update) <= UPDATE_TOL, step
+    assert any(clipped) and not all(clipped), clipped  # guard: the max_norm above
     assert rel_err(list(model.parameters()), list(ref_model.parameters())) <= 1e-6
 
 
@@ -94,16 +126,23 @@ def test_mean_of_means_would_be_wrong_here():
 
 
 def test_short_last_window_equals_one_batch_of_exactly_those_items():
+    """8 micro-batches in windows of 3: the last window is 2 micro-batches, accumulated and
+    divided by its own item count (not by 3 micro-batches' worth, not per micro-batch)."""
+    torch.manual_seed(4)
     model = TinyLM()
-    mbs, _ = make_window([[3, 5], [7], [2, 2], [9], [4, 6], [8], [5]], seed=7)
+    mbs, _ = make_window([[3, 5], [7], [2, 2], [9], [4, 6], [8], [1, 11], [2]], seed=7)
     windows = list(gradstep.windows(iter(mbs), 3))
-    assert [len(w) for w in windows] == [3, 3, 1]
-    last = windows[-1]
-    seqs = [(last[0]["input_ids"][i], last[0]["labels"][i]) for i in range(len(last[0]["labels"]))]
-    ref, _ = reference_grads(model, collate(seqs))
-    got, stats = stepper_grads(model, last)
-    assert stats.micro_batches == 1
-    assert rel_err(got, ref) <= 1e-6
+    assert [len(w) for w in windows] == [3, 3, 2]
+    m = copy.deepcopy(model)
+    stepper = gradstep.Stepper(m, torch.optim.SGD(m.parameters(), lr=0.0), clip=None)
+    for window in windows:  # one Stepper, as a training loop would run it
+        ref_batch = collate([row for mb in window for row in rows(mb)])
+        ref, ref_loss = reference_grads(model, ref_batch)
+        stats = stepper.step(window, lm_loss)
+        assert stats.micro_batches == len(window)
+        assert stats.items == int((ref_batch["labels"] != -100).sum())
+        assert stats.loss == pytest.approx(ref_loss, rel=1e-6)
+        assert rel_err([p.grad for p in m.parameters()], ref) <= 1e-6
 
 
 def test_windows_groups_any_iterable_lazily():
@@ -168,5 +207,10 @@ def test_step_stats_fields():
     assert stats.micro_batches == 2 and stats.step == 1 and not stats.skipped
     assert stats.loss == pytest.approx(ref_loss, rel=1e-6)
     assert stats.grad_norm == pytest.approx(float(torch.nn.utils.get_total_norm(ref)), rel=1e-6)
-    assert 0 < stats.clip_coef <= 1.0 and stats.clipped == (stats.clip_coef < 1.0)
+    # The default ClipNorm(1.0) against clip_grad_norm_'s coefficient from the reference norm.
+    ref_norm = float(torch.nn.utils.get_total_norm(ref))
+    expected_coef = min(1.0, 1.0 / (ref_norm + 1e-6))
+    assert stats.clip_coef == pytest.approx(expected_coef, rel=1e-6)
+    assert stats.clipped == (ref_norm > 1.0)
+    assert stats.post_clip_norm == pytest.approx(ref_norm * expected_coef, rel=1e-6)
     assert stats.lr == 0.1 and stats.skip_reason is None and stats.clip_threshold == 1.0

@@ -1,7 +1,7 @@
 """Child process of the SIGKILL tests: checkpoints saved by processes that die mid-save.
 
     python -m tests.checkpoint.kill_child DIR points POINT[,POINT...]   -> {"point": signal, ...}
-    python -m tests.checkpoint.kill_child DIR random ROUNDS SEED        -> [loaded step, ...]
+    python -m tests.checkpoint.kill_child DIR random ROUNDS SEED        -> [{round}, ...]
 
 (from the repo root; it imports nothing of the test suite, only gradstep).
 
@@ -10,7 +10,12 @@ state is {"step": s}, so a loader can tell exactly which save it got. ``points``
 point, a forked process saves steps 1 and 2 normally, then saves step 3 with a hook that
 SIGKILLs it at that point ("replace" re-saves step 2 instead), in DIR/POINT. ``random``: a
 forked process saves steps 1, 2, 3, ... in DIR until SIGKILLed at a random instant; after
-each kill this process loads the newest checkpoint, as a resume would.
+each kill this process loads the newest checkpoint, as a resume would. The saving process
+reports through a pipe what it did: ``b<step>`` just before the step's folder is published
+(``layout._publish``, the rename) and ``p<step>`` once ``save`` returned, so each round is
+``{"loaded": step loaded, "published": newest step whose save returned, "begun": newest
+step whose publish had begun}``: the claim is that the newest published step loads (or
+the one after it, when the kill came after its rename but before ``save`` returned).
 """
 
 from __future__ import annotations
@@ -120,17 +125,22 @@ def scenario(directory: str, point: str, ready: int = -1, step: int = 1) -> None
     model, counter = new_model(), Counter()
     checkpointer = ckpt.Checkpointer(directory, keep=KEEP)
     if point == "loop":
-        first = step
+        # Small writes to a pipe are atomic: a kill never leaves half a report.
+        wrap(layout, "_publish", before=lambda tmp, final: report(ready, "b", final))
         while True:
             save(checkpointer, model, counter, step)
-            if step == first:
-                os.write(ready, b"r")
+            os.write(ready, f"p{step}\n".encode())
             step += 1
     save(checkpointer, model, counter, 1)
     save(checkpointer, model, counter, 2)
     install(point)
     save(checkpointer, model, counter, 2 if point == "replace" else 3)
     os._exit(3)
+
+
+def report(fd: int, event: str, final: Path) -> None:
+    """Write ``<event><step>`` for the folder ``final`` (``step-N``) to the pipe ``fd``."""
+    os.write(fd, f"{event}{int(final.name.removeprefix('step-'))}\n".encode())
 
 
 def forked(fn: Any, *args: Any) -> int:
@@ -164,22 +174,41 @@ def run_points(directory: str, points: list[str]) -> dict[str, int]:
     return died
 
 
-def run_random(directory: str, rounds: int, seed: int) -> list[int | None]:
+def _newest(events: bytes, kind: str) -> int | None:
+    steps = [int(line[1:]) for line in events.decode().splitlines() if line.startswith(kind)]
+    return max(steps, default=None)
+
+
+def run_random(directory: str, rounds: int, seed: int) -> list[dict[str, int | None]]:
     """Kill a save loop at random instants; after each kill, load like a resume would and
-    continue saving from the loaded step."""
-    gen, loaded = random.Random(seed), []
+    continue saving from the loaded step. Returns what each round loaded, and the newest
+    steps the killed process had published and begun to publish."""
+    gen, results = random.Random(seed), []
     for _ in range(rounds):
         read, write = os.pipe()
-        resume_at = (loaded[-1] if loaded else 0) + 1  # continue like a resumed run
-        pid = forked(scenario, directory, "loop", write, resume_at)
+        loaded = results[-1]["loaded"] if results else 0
+        pid = forked(scenario, directory, "loop", write, (loaded or 0) + 1)  # like a resume
         os.close(write)
-        os.read(read, 1)  # the first checkpoint of this round exists
-        os.close(read)
+        events = b""
+        while b"p" not in events:  # the first checkpoint of this round exists
+            chunk = os.read(read, 4096)
+            if not chunk:
+                raise SystemExit("the saving process died before its first checkpoint")
+            events += chunk
         time.sleep(gen.uniform(0.0, 0.3))
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
-        loaded.append(loaded_step(directory))
-    return loaded
+        while chunk := os.read(read, 4096):  # everything it reported before it died
+            events += chunk
+        os.close(read)
+        results.append(
+            {
+                "loaded": loaded_step(directory),
+                "published": _newest(events, "p"),
+                "begun": _newest(events, "b"),
+            }
+        )
+    return results
 
 
 def main() -> None:

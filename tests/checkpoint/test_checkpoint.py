@@ -340,10 +340,18 @@ def test_sigkill_during_save_leaves_a_loadable_checkpoint(
 
 def test_sigkill_at_random_moments(tmp_path: Path) -> None:
     """A process saving in a loop (keep=2) is killed at random instants, five times; each
-    time the newest checkpoint loads with exactly its step's contents, and saving resumes
-    from it."""
-    loaded = _kill_child(str(tmp_path), "random", "5", "1")
+    time the newest checkpoint it PUBLISHED loads (the newest step whose ``save`` returned,
+    or the next one when the kill came after that one's rename), with exactly its step's
+    contents, and saving resumes from it. Loading an older valid step (keep=2 leaves one)
+    fails this."""
+    rounds = _kill_child(str(tmp_path), "random", "5", "1")
+    loaded = [r["loaded"] for r in rounds]
     assert len(loaded) == 5 and all(step is not None for step in loaded)
+    for r in rounds:
+        assert r["published"] is not None, r  # the round saved at least once before the kill
+        newest_published = r["loaded"] == r["published"]
+        renamed_then_killed = r["loaded"] == r["begun"] == r["published"] + 1
+        assert newest_published or renamed_then_killed, r
     assert loaded == sorted(loaded) and loaded[-1] > loaded[0]
     assert _loaded_step(tmp_path) == loaded[-1]
 

@@ -303,8 +303,14 @@ def test_spike_guard_signal_selection(on):
     _, stats = Run(SpikeGuard(sigma=4.0, window=8, min_steps=6, on=on)).run(norms, offsets)
     skipped = [i for i, s in enumerate(stats) if s.skipped]
     assert skipped == {"grad_norm": [10], "loss": [13], "both": [10, 13]}[on]
-    if skipped:
-        assert "loss spike" in stats[13].skip_reason if on != "grad_norm" else True
+    # Each skip names the signal that fired; every other step has no reason.
+    if on in ("grad_norm", "both"):
+        assert "grad_norm spike" in stats[10].skip_reason
+        assert "loss spike" not in stats[10].skip_reason
+    if on in ("loss", "both"):
+        assert "loss spike" in stats[13].skip_reason
+        assert "grad_norm spike" not in stats[13].skip_reason
+    assert all(s.skip_reason is None for i, s in enumerate(stats) if i not in skipped)
 
 
 # ------------------------------------------------------------------- composition
