@@ -39,13 +39,14 @@ if TYPE_CHECKING:
 
 __all__ = ["PLOTS", "ReportError", "RunMetrics", "build_figures", "load_run", "write_report"]
 
-PLOTS = ("loss", "grad_norm", "clip_coef", "lr", "tokens_per_s")
+PLOTS = ("loss", "grad_norm", "clip_coef", "lr", "tokens_per_s", "memory")
 _TITLES = {
     "loss": "Loss (token-weighted mean per step)",
     "grad_norm": "Global gradient norm (log scale)",
     "clip_coef": "Clip coefficient (1 = not clipped)",
     "lr": "Learning rate",
     "tokens_per_s": "Throughput (tokens/s)",
+    "memory": "Peak memory (MiB): measured, and the plan's prediction",
 }
 
 
@@ -157,12 +158,21 @@ def _plot_simple(key: str, ylabel: str, log: bool = False) -> Any:
     return plot
 
 
+def _plot_memory(ax: Axes, run: RunMetrics, color: str) -> None:
+    ax.plot(run.steps, _finite(run.series("peak_memory_mb")), color=color, label=f"{run.name} peak")
+    planned = _finite(run.series("planned_peak_mb"))
+    if any(v == v for v in planned):
+        ax.plot(run.steps, planned, color=color, ls="--", label=f"{run.name} planned")
+    ax.set_ylabel("MiB")
+
+
 _PLOTTERS = {
     "loss": _plot_loss,
     "grad_norm": _plot_grad_norm,
     "clip_coef": _plot_simple("clip_coef", "coefficient"),
     "lr": _plot_simple("lr", "learning rate"),
     "tokens_per_s": _plot_simple("tokens_per_s", "tokens/s"),
+    "memory": _plot_memory,
 }
 
 

@@ -95,6 +95,52 @@ def _run_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "plan",
+        help="choose micro-batch size, accumulation and checkpointing for a memory budget",
+        description="Probe the model on this device and print the candidates that split "
+        "--global-batch under --memory-budget, and the fastest that fits. Takes every "
+        "`gradstep train` flag; under torchrun it plans for the launched ranks.",
+    )
+    _add_config_flags(parser)
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead")
+    parser.add_argument(
+        "--no-probe", action="store_true", help="analytic estimate only (nothing is allocated)"
+    )
+    parser.set_defaults(handler=_run_plan)
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from gradstep import parallel
+
+    from .planning import plan_run
+
+    overrides = {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(TrainConfig)
+        if hasattr(args, f.name)
+    }
+    cfg = resolve(args.config, **overrides)
+    owns_group = not parallel.is_initialized()
+    env = parallel.init(cfg.device, timeout_s=cfg.collective_timeout)
+    try:
+        with parallel.quiet_unless_main():
+            planned = plan_run(cfg, env.device, probe=not args.no_probe)
+            if args.json:
+                print(json.dumps(planned.to_json()))
+            else:
+                if planned.probe is not None:
+                    print(planned.probe.describe())
+                print(planned.plan.table())
+    finally:
+        if owns_group:
+            parallel.shutdown(barrier=False)
+    return 0
+
+
 def _add_report_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "report",
@@ -127,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_train_parser(sub)
+    _add_plan_parser(sub)
     _add_report_parser(sub)
     return parser
 
@@ -138,7 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler: Handler = args.handler
     try:
         return handler(args)
-    except (GradstepError, NotImplementedError) as exc:
+    except (GradstepError, NotImplementedError, ValueError) as exc:
         print(f"gradstep {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # a full disk, a folder made read-only mid-run: no traceback

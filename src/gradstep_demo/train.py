@@ -41,7 +41,7 @@ from gradstep.metrics import FINISHED_FILE, MetricsLogger
 from gradstep.metrics import jsonable as _jsonable
 from gradstep.policies import clip_policies
 
-from . import run_folder
+from . import planning, run_folder
 from .batching import Layout, layout_for, windows_of
 from .config import ConfigError, TrainConfig
 from .data import Batch, Corpus, DataError, TrainBatches, load_corpus, validation_batches
@@ -160,6 +160,8 @@ class _Run:
     """Micro-batches per window on each rank."""
     layout: Layout
     progress: _Progress = field(default_factory=lambda: _Progress())
+    planned_peak_mb: float | None = None
+    """The plan's predicted peak (--micro-batch-size auto), logged next to the measured one."""
     start: int = 0
     """Steps already taken: the step of the checkpoint resumed from."""
     checkpointer: Checkpointer | None = None
@@ -369,7 +371,8 @@ def _loop(run: _Run, logger: MetricsLogger) -> dict[str, Any]:
         if n == cfg.max_steps or (cfg.eval_every and n % cfg.eval_every == 0):
             val_loss = measured = evaluate(run.model, run.val, run.device)
             tqdm.write(f"step {n}: val_loss {val_loss:.4f}", file=sys.stderr)
-        logger.log_step(stats, elapsed, val_loss=measured)  # flushed: a live report reads it
+        extra = {} if run.planned_peak_mb is None else {"planned_peak_mb": run.planned_peak_mb}
+        logger.log_step(stats, elapsed, val_loss=measured, **extra)  # flushed: read live
         if cfg.save_every and n % cfg.save_every == 0 and run.checkpointer is not None:
             saved = _save(run, n)
         bar.update(1)
@@ -527,7 +530,19 @@ def _train(
         info = run_folder.find_checkpoint(cfg)
         _on_rank0(lambda: run_folder.prepare(cfg, info))
         cfg, notes = _resumed_settings(cfg, info, given, env.world_size)
-        run = _setup(cfg, env, info)
+        planned = None
+        if cfg.auto_micro_batch:
+            planned = _plan(cfg, env)
+            cfg = dataclasses.replace(
+                cfg,
+                micro_batch_size=planned.plan.micro_batch_size,
+                activation_checkpointing=planned.plan.activation_checkpointing,
+            )
+        run = _setup(cfg, env, info, planned=planned is not None)
+        if cfg.global_batch is not None:  # config.json says how the batch is really split
+            cfg = run.cfg = dataclasses.replace(cfg, accum_steps=run.layout.micro_batches)
+        if planned is not None:
+            run.planned_peak_mb = planned.plan.predicted_peak_bytes / 2**20
         for line in notes:
             _note(run, line)
         if run.start >= cfg.max_steps:
@@ -540,7 +555,20 @@ def _train(
             return _existing_summary(run.out)
         if run.is_main:
             (run.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+            if planned is not None:
+                plan_json = json.dumps(_jsonable(planned.to_json()), indent=2)
+                (run.out / "plan.json").write_text(plan_json + "\n")
         return _run_loop(run, started, callbacks)
+
+
+def _plan(cfg: TrainConfig, env: parallel.DistEnv) -> planning.Planned:
+    """--micro-batch-size auto: probe, plan, say what was chosen."""
+    planned = planning.plan_run(cfg, env.device)
+    if env.is_main:
+        if planned.probe is not None:
+            tqdm.write(planned.probe.describe(), file=sys.stderr)
+        tqdm.write(planned.plan.table(), file=sys.stderr)
+    return planned
 
 
 def _existing_summary(out: Path) -> dict[str, Any]:
