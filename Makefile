@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 train: venv
-	$(PY) -m gradstep train --out runs/demo
+	$(PY) -m gradstep train --out runs/demo --overwrite
 
 test: venv
 	$(PY) -m pytest -q
