@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 Error = type[Exception]
 
@@ -53,3 +54,27 @@ def check_choice(
     if value not in allowed:
         raise error(f"{_who(owner, name)} must be one of {', '.join(allowed)}; got {value!r}")
     return value
+
+
+def check_state_count(what: str, arg: str, saved: list, mine: list) -> None:
+    if len(saved) != len(mine):
+        raise ValueError(
+            f"Stepper.load_state_dict: checkpoint has {len(saved)} {what}, this Stepper has "
+            f"{len(mine)}; build the Stepper with the same {arg}="
+        )
+
+
+def check_optimizer_covers(named: Sequence[tuple[str, Any]], optimizer: Any) -> None:
+    """Every trainable parameter must be stepped: the optimizer's ``zero_grad`` would never
+    clear a gradient it does not own, and that stale gradient would count in every norm."""
+    owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    missing = [name for name, p in named if id(p) not in owned]
+    if missing:
+        shown = ", ".join(missing[:8]) + (
+            f" ... ({len(missing)} in all)" if len(missing) > 8 else ""
+        )
+        raise ValueError(
+            f"optimizer does not hold {len(missing)} trainable parameter(s) of the model: "
+            f"{shown}. Their gradients would never be cleared and would count in the clip "
+            "norm; pass them to the optimizer, or set requires_grad=False on them"
+        )

@@ -18,11 +18,12 @@ import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch import nn
 
+from ._validate import check_optimizer_covers, check_state_count
 from .hooks import Hooks
 from .loss import LossSum, check_loss_sum
 from .memory.split import (
@@ -36,10 +37,10 @@ from .memory.split import (
 from .parallel import Strategy, strategy_for, window_length_error
 from .policies import ClipNorm, ClipPolicy, GradientView, as_policies
 from .precision import Precision
+from .windows import mark_last, windows
 
 __all__ = ["LossFn", "StepStats", "Stepper", "windows"]
 
-T = TypeVar("T")
 LossFn = Callable[[nn.Module, Any], LossSum]
 _DEFAULT_CLIP = object()
 ON_OOM = ("raise", "split")
@@ -73,40 +74,6 @@ class StepStats:
     """Per clip policy: name, threshold used, whether it acted."""
     oom_splits: int = 0
     """Halvings of the micro-batches this step needed after out-of-memory (on_oom="split")."""
-
-
-def windows(iterable: Iterable[T], size: int) -> Iterator[list[T]]:
-    """Group a stream of micro-batches into windows of ``size`` (the last may be shorter)."""
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"windows: size must be an int >= 1, got {size!r}")
-    return _windows(iter(iterable), size)
-
-
-def _windows(it: Iterator[T], size: int) -> Iterator[list[T]]:
-    while True:
-        window = []
-        for item in it:
-            window.append(item)
-            if len(window) == size:
-                break
-        if not window:
-            return
-        yield window
-        if len(window) < size:
-            return
-
-
-def _mark_last(iterable: Iterable[T]) -> Iterator[tuple[bool, T]]:
-    """Yield (is_last, item), looking one ahead so the last is known before its forward."""
-    it = iter(iterable)
-    try:
-        prev = next(it)
-    except StopIteration:
-        return
-    for item in it:
-        yield False, prev
-        prev = item
-    yield True, prev
 
 
 @dataclass
@@ -204,7 +171,7 @@ class Stepper:
         self.sync_each_micro_batch = bool(sync_each_micro_batch)
         self.hooks = Hooks(hooks)
         self._named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        _check_optimizer_covers(self._named, optimizer)
+        check_optimizer_covers(self._named, optimizer)
         self._strategy = strategy_for(model) if strategy is None else strategy
         params = [p for _, p in self._named]
         self._precision = Precision(precision, params, accum_dtype, self._strategy.distributed)
@@ -374,7 +341,7 @@ class Stepper:
         guard = self._out_of_memory_agreed if split else contextlib.nullcontext
         agreeing = self._agreement_before_forwards() if split else contextlib.nullcontext()
         with agreeing, self._precision.accumulating():
-            for n, (is_last, mb) in enumerate(_mark_last(micro_batches), start=1):  # noqa: B007
+            for n, (is_last, mb) in enumerate(mark_last(micro_batches), start=1):  # noqa: B007
                 with self._strategy.sync(is_last or self.sync_each_micro_batch):
                     with guard(), self._precision.autocast():
                         loss = check_loss_sum(loss_fn(self.model, mb))
@@ -557,7 +524,7 @@ class Stepper:
         clip_states = state.get("clip", [])
         # Checkpoints written before hooks existed hold none: nothing to restore then.
         hook_states = state.get("hooks", [{} for _ in self.hooks])
-        _check_count("clip policies", "clip", clip_states, self._clip)
+        check_state_count("clip policies", "clip", clip_states, self._clip)
         saved_types = state.get("clip_types")
         mine = [type(p).__name__ for p in self._clip]
         if saved_types is not None and list(saved_types) != mine:
@@ -565,7 +532,7 @@ class Stepper:
                 f"Stepper.load_state_dict: the checkpoint's clip policies are {saved_types}, "
                 f"this Stepper's are {mine}; build the Stepper with the same clip="
             )
-        _check_count("hooks", "hooks", hook_states, self.hooks.items)
+        check_state_count("hooks", "hooks", hook_states, self.hooks.items)
         self.step_count = int(state["step_count"])
         self.skipped_steps = int(state["skipped_steps"])
         self.clipped_steps = int(state["clipped_steps"])
@@ -583,24 +550,6 @@ def _check_count(what: str, arg: str, saved: list, mine: list) -> None:
         raise ValueError(
             f"Stepper.load_state_dict: checkpoint has {len(saved)} {what}, this Stepper has "
             f"{len(mine)}; build the Stepper with the same {arg}="
-        )
-
-
-def _check_optimizer_covers(
-    named: list[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer
-) -> None:
-    """Every trainable parameter must be stepped: the optimizer's ``zero_grad`` would never
-    clear a gradient it does not own, and that stale gradient would count in every norm."""
-    owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    missing = [name for name, p in named if id(p) not in owned]
-    if missing:
-        shown = ", ".join(missing[:8]) + (
-            f" ... ({len(missing)} in all)" if len(missing) > 8 else ""
-        )
-        raise ValueError(
-            f"optimizer does not hold {len(missing)} trainable parameter(s) of the model: "
-            f"{shown}. Their gradients would never be cleared and would count in the clip "
-            "norm; pass them to the optimizer, or set requires_grad=False on them"
         )
 
 
