@@ -111,3 +111,25 @@ def test_nan_norm_still_skips_with_every_check_in_place():
         return LossSum(total * math.nan, count)
 
     assert stepper.step(mbs, nan_loss).skipped
+
+
+def test_a_loss_that_does_not_depend_on_the_model_skips():
+    """Row 99: a LossSum connected to no parameter took a step (AdamW's decay alone)."""
+    stepper, model, opt = _stepper(optimizer=None)
+    state = snapshot(model, opt)
+    free = torch.tensor(3.0, requires_grad=True)
+    stats = stepper.step([None], lambda m, mb: LossSum(free * 1.0, 5))
+    assert stats.skipped and "does not depend on the model" in stats.skip_reason
+    assert_bitwise_equal(snapshot(model, opt), state)
+
+
+def test_report_counts_only_true_flags(tmp_path):
+    """Row 88: "clipped": "false" was counted as a clipped step."""
+    import json
+
+    from gradstep.report import write_report
+
+    rows = [{"step": 1, "loss": 1.0, "clipped": "false", "skipped": "no"}, {"step": 2, "loss": 1.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    html = write_report([tmp_path]).read_text()
+    assert "<td>0</td>" in html

@@ -136,11 +136,11 @@ def _plot_grad_norm(ax: Axes, run: RunMetrics, color: str) -> None:
     if any(v == v for v in threshold):
         ax.plot(xs, threshold, color=color, ls=":", label=f"{run.name} clip threshold")
     flags = [(x, rec, p) for x, rec, p in zip(xs, run.records, pre, strict=True)]
-    clipped = [(x, p) for x, rec, p in flags if rec.get("clipped") and p == p]
+    clipped = [(x, p) for x, rec, p in flags if rec.get("clipped") is True and p == p]
     if clipped:
         cx, cy = zip(*clipped, strict=True)
         ax.plot(cx, cy, ls="none", marker="o", mfc="none", color=color, label=f"{run.name} clipped")
-    skipped = [x for x, rec, _ in flags if rec.get("skipped")]
+    skipped = [x for x, rec, _ in flags if rec.get("skipped") is True]
     for i, x in enumerate(skipped):
         label = f"{run.name} skipped" if i == 0 else "_nolegend_"
         ax.axvline(x, color=color, ls="-.", lw=1, alpha=0.7, label=label)
@@ -220,8 +220,8 @@ def _summary_row(run: RunMetrics) -> dict[str, str]:
         "steps": str(len(run.records)),
         "last train loss": last("loss"),
         "last val loss": last("val_loss"),
-        "clipped": str(sum(bool(r.get("clipped")) for r in run.records)),
-        "skipped": str(sum(bool(r.get("skipped")) for r in run.records)),
+        "clipped": str(sum(r.get("clipped") is True for r in run.records)),
+        "skipped": str(sum(r.get("skipped") is True for r in run.records)),
         "median tokens/s": f"{statistics.median(tps):,.0f}" if tps else "-",
         "peak memory MiB": last("peak_memory_mb"),
         "status": "in progress" if live else "finished",

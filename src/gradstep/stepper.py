@@ -287,6 +287,10 @@ class Stepper:
         window = self._read_window(totals, self._strategy.total_norm(grads, self._norm_type), n)
         if window.items == 0:
             return self._skip(window, "empty window: 0 items (every label ignored)", math.nan)
+        if not grads and not self._strategy.distributed and self._named:
+            # The loss does not depend on any trainable parameter: an update would only
+            # apply weight decay. (Under DDP/FSDP2 the backend always leaves gradients.)
+            return self._skip(window, "no gradient: the loss does not depend on the model", 0.0)
         view = GradientView(
             grads=grads,
             scale=1.0,
