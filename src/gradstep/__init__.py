@@ -15,7 +15,7 @@ The package, one concern per module:
 - :mod:`gradstep.metrics` and :mod:`gradstep.report`: per-step records, plots.
 """
 
-from . import checkpoint, metrics, parallel, policies
+from . import checkpoint, metrics, optim, parallel, policies
 from ._version import __version__
 from .checkpoint import Checkpointer, CheckpointError, CheckpointInfo, elastic_accum_steps
 from .errors import GradstepError, UnsupportedSetup
@@ -65,6 +65,7 @@ __all__ = [
     "elastic_accum_steps",
     "find_output_layer",
     "metrics",
+    "optim",
     "parallel",
     "policies",
     "token_loss",

@@ -41,6 +41,7 @@ __all__ = [
 
 PRECISIONS = tuple(_PRECISION_DTYPES)
 DEVICES = ("auto", "cpu", "cuda", "mps")
+OPTIMIZERS = ("adamw", "sgd", "lars", "lamb")
 RESUME_AUTO = "auto"  # bare `--resume`: the run folder's checkpoints/
 AUTO = "auto"  # --micro-batch-size auto
 
@@ -97,6 +98,12 @@ class TrainConfig:
     # another process shares a 2-core CPU; one thread only loses its share of the CPU.
     threads: int = _f(1, "CPU intra-op threads for torch (0: torch's default, all cores)")
     # optimisation
+    optimizer: str = _f(
+        "adamw",
+        "adamw, sgd (momentum 0.9), lars or lamb (gradstep.optim, exact under FSDP2); biases "
+        "and norm gains get no weight decay and no layer adaptation",
+        choices=OPTIMIZERS,
+    )
     lr: float = _f(3e-3, "peak learning rate (AdamW)")
     min_lr: float = _f(3e-4, "learning rate at the end of the cosine decay")
     weight_decay: float = _f(0.1, "AdamW weight decay on matrices and embeddings")
@@ -179,6 +186,7 @@ class TrainConfig:
             raise ConfigError("overwrite starts a new run: it cannot be combined with resume")
         check_choice("precision", self.precision, PRECISIONS, error=ConfigError)
         check_choice("strategy", self.strategy, STRATEGIES, error=ConfigError)
+        check_choice("optimizer", self.optimizer, OPTIMIZERS, error=ConfigError)
         kind, colon, index = self.device.partition(":")
         if kind not in DEVICES or (colon and not (index.isdigit() and kind in ("cuda", "cpu"))):
             raise ConfigError(

@@ -131,13 +131,20 @@ def _check_launch(cfg: TrainConfig, env: parallel.DistEnv) -> None:
         )
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW with decay on matrices/embeddings only: decaying norm gains just hurts."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
+def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """``cfg.optimizer`` with decay on matrices/embeddings only: decaying norm gains just
+    hurts, and LARS/LAMB do not adapt them either (gradstep.optim.param_groups)."""
+    from gradstep import optim
+
+    groups = optim.param_groups(model, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "lars":
+        return optim.LARS(groups, lr=cfg.lr, momentum=0.9)
+    if cfg.optimizer == "lamb":
+        return optim.LAMB(groups, lr=cfg.lr)  # no internal clip: the Stepper clips
+    # torch's optimizers: the same two groups, without the LARS/LAMB-only key.
+    groups = [{k: v for k, v in g.items() if k != "always_adapt"} for g in groups]
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=0.9)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
 
 

@@ -83,25 +83,76 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return (t.to_local() if isinstance(t, DTensor) else t).detach().clone()
 
 
-class _AllReduceSpy:
-    """Records (numel, dtype) of every torch.distributed.all_reduce while installed."""
+# Every torch.distributed collective a step could issue from Python (DDP's comm hook,
+# FSDP2's all-gathers and reduce-scatters and gradstep all call them as ``dist.<name>``),
+# and the functional collectives DTensor reduces with (the FSDP2 norm), ``funcol.<name>``.
+_COLLECTIVES = (
+    "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
+    "all_gather_single", "all_gather_object", "reduce_scatter", "reduce_scatter_tensor",
+    "reduce_scatter_single", "all_to_all", "all_to_all_single", "gather", "scatter",
+    "gather_object", "scatter_object_list", "broadcast_object_list", "barrier",
+    "monitored_barrier", "send", "recv", "isend", "irecv", "batch_isend_irecv",
+)  # fmt: skip
+_FUNCOL = (
+    "all_reduce", "all_gather_tensor", "all_gather_single", "reduce_scatter_tensor",
+    "reduce_scatter_single", "all_to_all_single", "broadcast", "all_reduce_coalesced",
+)  # fmt: skip
+
+
+class CollectiveSpy:
+    """Records every ``torch.distributed`` collective called while installed, as
+    ``(name, numel, dtype, caller_module)``: numel and dtype of the first tensor argument
+    (0 and None without one), and the module that called it, which tells the backend's
+    gradient collectives (DDP's comm hook, FSDP2's internals, the counting reduce-scatter
+    of ``gradstep.parallel.instrumentation``) from gradstep's own small ones."""
 
     def __init__(self) -> None:
+        import sys
+
         import torch.distributed as dist
+        import torch.distributed._functional_collectives as funcol
 
-        self.calls: list[tuple[int, torch.dtype]] = []
-        self._orig = dist.all_reduce
+        self.calls: list[tuple[str, int, torch.dtype | None, str]] = []
+        self._orig = [(dist, n, getattr(dist, n)) for n in _COLLECTIVES if hasattr(dist, n)]
+        self._orig += [(funcol, n, getattr(funcol, n)) for n in _FUNCOL if hasattr(funcol, n)]
 
-        def spy(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            self.calls.append((tensor.numel(), tensor.dtype))
-            return self._orig(tensor, *args, **kwargs)
+        def wrap(name: str, fn: Any) -> Any:
+            def spy(*args: Any, **kwargs: Any) -> Any:
+                first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+                caller = sys._getframe(1).f_globals.get("__name__", "?")
+                numel, dtype = (0, None) if first is None else (first.numel(), first.dtype)
+                self.calls.append((name, numel, dtype, caller))
+                return fn(*args, **kwargs)
 
-        dist.all_reduce = spy
+            return spy
+
+        for module, name, fn in self._orig:
+            label = name if module is dist else f"funcol.{name}"
+            setattr(module, name, wrap(label, fn))
 
     def remove(self) -> None:
-        import torch.distributed as dist
+        for module, name, fn in self._orig:
+            setattr(module, name, fn)
 
-        dist.all_reduce = self._orig
+
+_TOTALS = ("all_reduce", 5, torch.float64)  # the Stepper's one all-reduce of the window
+
+
+def _is_backend(caller: str) -> bool:
+    """A collective issued by DDP's or FSDP2's own gradient machinery."""
+    return caller.startswith(
+        (
+            "torch.distributed.algorithms.ddp_comm_hooks",
+            "torch.distributed.fsdp",
+            "gradstep.parallel.instrumentation",
+        )
+    )
+
+
+def split_collectives(calls: list[tuple]) -> tuple[list[tuple], list[tuple]]:
+    """(the backend's gradient collectives, every other collective) of a spy's calls."""
+    backend = [c for c in calls if _is_backend(c[3])]
+    return backend, [c for c in calls if not _is_backend(c[3])]
 
 
 def _setup(
@@ -149,7 +200,7 @@ def parity_run(
     per_step = []
     for step in range(steps):
         counter.reset()
-        spy = _AllReduceSpy()
+        spy = CollectiveSpy()
         try:
             stats = stepper.step(data[step][rank], lm_loss)
         finally:
@@ -160,7 +211,8 @@ def parity_run(
                 "grads": {_name(n): _full(p.grad) for n, p in model.named_parameters()},
                 "comm_calls": counter.calls,
                 "comm_bytes": counter.bytes,
-                "totals_all_reduces": spy.calls.count((5, torch.float64)),
+                "totals_all_reduces": [c[:3] for c in spy.calls].count(_TOTALS),
+                "collectives": spy.calls,
                 "grad_dtypes": {_local(p.grad).dtype for p in model.parameters()},
             }
         )

@@ -22,6 +22,7 @@ import math
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -139,6 +140,41 @@ def test_one_gradient_reduction_per_optimizer_step_whatever_k(runs: dict) -> Non
                     assert step["comm_bytes"] == _param_bytes(dtype), run
                 else:  # unsharded groups, each padded to a multiple of the world size
                     assert _param_bytes(dtype) <= step["comm_bytes"] < 1.01 * _param_bytes(dtype)
+
+
+def test_every_collective_of_a_step_is_accounted_for(runs: dict) -> None:
+    """Every collective a step issues from Python, whatever its shape or dtype
+    (``scenarios.CollectiveSpy`` wraps every ``torch.distributed`` collective and DTensor's
+    functional ones). DDP: the backend's gradient all-reduce (one bucket, through its comm
+    hook) and exactly ONE other collective, the Stepper's 5-number float64 all-reduce.
+    FSDP2: besides the backend's own all-gathers and reduce-scatters (one per group and
+    sync, counted separately), exactly the window-length check (2 float64: its forward
+    communicates), the 5-number totals and ONE DTensor reduction for the norm."""
+    strategy = runs["strategy"]
+    f64 = torch.float64
+    for rank, res in enumerate(runs["ranks"]):
+        for run in ("fp64", "fp32", "sync_each", "bf16", "inf"):
+            for i, step in enumerate(res[run]["steps"]):
+                where = (strategy, rank, run, i)
+                backend, own = sc.split_collectives(step["collectives"])
+                own_small = Counter(c[:3] for c in own if not c[0].startswith("funcol."))
+                assert (
+                    own_small == {("all_reduce", 5, f64): 1}
+                    if strategy == "ddp"
+                    else {
+                        ("all_reduce", 2, f64): 1,
+                        ("all_reduce", 5, f64): 1,
+                    }
+                ), (where, own)
+                dtensor = [c for c in own if c[0].startswith("funcol.")]
+                if strategy == "ddp":
+                    assert dtensor == [], where
+                    assert [c[0] for c in backend] == ["all_reduce"] * step["comm_calls"], where
+                else:  # the gradient norm over the shards: one reduction
+                    assert [c[0] for c in dtensor] == ["funcol.all_reduce"], (where, dtensor)
+                    names = Counter(c[0] for c in backend)
+                    assert names.keys() == {"all_gather_single", "reduce_scatter_single"}, where
+                    assert names["reduce_scatter_single"] == step["comm_calls"], where
 
 
 def test_inf_norm_is_the_max_over_every_shard(runs: dict) -> None:
