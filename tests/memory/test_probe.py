@@ -1,7 +1,10 @@
 """probe_memory: the fit on synthetic peaks, the budget promise, and one real CPU probe."""
 
+import json
+import subprocess
+import sys
+
 import pytest
-import torch
 
 from gradstep.memory import probe, probe_memory
 from gradstep.memory.probe import ProbeResult
@@ -32,7 +35,7 @@ class FakeMemory:
 def test_fit_recovers_fixed_and_per_item(monkeypatch):
     mem = FakeMemory(monkeypatch, fixed=5000, per_item=300, first_extra=10_000)
     res = probe_memory(mem.run, (4, 1, 2), device="cpu")
-    assert mem.calls == [1, 1, 2, 4]  # warm-up first, then ascending
+    assert mem.calls == [1, 1, 2, 2, 4, 4]  # ascending, each size warmed up once
     assert (res.fixed_bytes, res.per_item_bytes) == (5000, 300)  # warm-up kept out of the fit
     assert [p[:2] for p in res.points] == [(1, 5300), (2, 5600), (4, 6200)]
     assert res.warmup[:2] == (1, 15_300)
@@ -44,7 +47,7 @@ def test_fit_recovers_fixed_and_per_item(monkeypatch):
 
 def test_budget_stops_before_a_size_that_would_not_fit(monkeypatch):
     mem = FakeMemory(monkeypatch, fixed=1000, per_item=100)
-    res = probe_memory(mem.run, (1, 2, 4, 8), device="cpu", budget_bytes=1500)
+    res = probe_memory(mem.run, (1, 2, 4, 8), device="cpu", budget_bytes=1500, warmup="first")
     # After 1, 2, 4 the line predicts 1800 for b=8 > 1500: never run.
     assert mem.calls == [1, 1, 2, 4]
     assert res.skipped == [8]
@@ -83,9 +86,38 @@ def test_agree_makes_every_rank_stop_together(monkeypatch):
     assert res.per_item_bytes == 100 and res.fixed_bytes == 1000  # one point: upper bound
 
 
-def test_rejects_bad_sizes():
+def test_both_fits_ignore_what_earlier_sizes_left_behind(monkeypatch):
+    # Each new size leaves 50 bytes behind for good (a per-shape kernel cache): the peaks
+    # creep by 50 per shape on top of fixed + 100 per item.
+    mem = FakeMemory(monkeypatch, fixed=1000, per_item=100)
+    seen = set()
+
+    def run(b):
+        if b not in seen:
+            seen.add(b)
+            mem.baseline += 50
+        mem.peak = max(mem.peak, mem.baseline + 100 * b)
+
+    def probe_from_scratch(sizes, fit):
+        seen.clear()
+        mem.baseline = 1000
+        return probe_memory(run, sizes, device="cpu", fit=fit)
+
+    clean = probe_from_scratch((1, 2, 4), "increments")  # what CUDA uses
+    assert (clean.per_item_bytes, clean.fixed_bytes) == (100, 1050)  # fixed + one shape
+    peaks = probe_from_scratch((1, 2, 4), "peaks")  # CPU: peak = F + J * shapes + a * b
+    assert (peaks.per_item_bytes, peaks.per_shape_bytes, peaks.fixed_bytes) == (100, 50, 1050)
+    two = probe_from_scratch((1, 4), "peaks")  # too few sizes to separate the two
+    assert two.per_item_bytes > 100 and two.per_shape_bytes == 0
+    with pytest.raises(ValueError, match="fit must be"):
+        probe_memory(run, device="cpu", fit="slope")
+
+
+def test_rejects_bad_arguments():
     with pytest.raises(ValueError, match="sizes"):
         probe_memory(lambda b: None, (0, 1), device="cpu")
+    with pytest.raises(ValueError, match="warmup"):
+        probe_memory(lambda b: None, device="cpu", warmup="twice")
 
 
 def test_predict_seconds():
@@ -93,23 +125,55 @@ def test_predict_seconds():
     assert res.predict_seconds(4) == 1.5
 
 
+REAL_PROBE = """
+import json, torch
+from gradstep.memory import current_bytes, pin_mmap_threshold, probe_memory, reset_peak
+torch.set_num_threads(1)
+pinned = pin_mmap_threshold()
+weight = torch.nn.Parameter(torch.ones(1))
+ran = []
+
+def run(b):  # 4 MiB per item: input, product, exp, backward temporaries (~12 MiB at peak)
+    ran.append(b)
+    x = torch.rand(b, 1 << 20)
+    (x * weight).exp().sum().backward()
+
+first = probe_memory(run, (1, 2, 4), device="cpu")
+ran.clear()
+budget = current_bytes("cpu") + 6 * first.per_item_bytes  # room for 4 items, not 16
+second = probe_memory(run, (1, 4, 16), device="cpu", budget_bytes=budget)
+print(json.dumps({"source": reset_peak("cpu"), "pinned": pinned, "fit": first.fit,
+                  "peaks": [p[1] for p in first.points], "per_item": first.per_item_bytes,
+                  "ran": ran, "skipped": second.skipped, "budget": budget,
+                  "max_peak": max(p[1] for p in second.points)}))
+"""
+
+
 def test_real_cpu_probe_grows_with_b_and_keeps_the_budget():
-    if probe.reset_peak("cpu") != "vmhwm":
+    # A fresh interpreter, as a probe runs at the start of training: this process's heap
+    # already holds what earlier tests freed, which later allocations would reuse.
+    proc = subprocess.run(
+        [sys.executable, "-c", REAL_PROBE], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    if out["source"] != "vmhwm":
         pytest.skip("VmHWM cannot be reset here (/proc/self/clear_refs not writable)")
-    weight = torch.nn.Parameter(torch.ones(1))
-    item = 1 << 20  # 4 MiB of fp32 per item, twice (input and saved product)
-    ran = []
-
-    def run(b):
-        ran.append(b)
-        x = torch.rand(b, item)
-        (x * weight).exp().sum().backward()
-
-    res = probe_memory(run, (1, 2, 4), device="cpu")
-    peaks = [p[1] for p in res.points]
+    peaks = out["peaks"]
     assert peaks == sorted(peaks) and peaks[-1] > peaks[0]
-    assert res.per_item_bytes > 4 * 2**20  # at least the input itself
-    ran.clear()
-    budget = res.predict(4) + 2**20  # room for 4 but not 16
-    res2 = probe_memory(run, (1, 4, 16), device="cpu", budget_bytes=budget)
-    assert 16 not in ran and res2.skipped == [16]
+    assert out["per_item"] > 8 * 2**20  # at least two of the kept 4 MiB tensors
+    assert out["fit"] == "peaks"  # CPU RSS: absolute peaks (see probe._fit_mode)
+    assert 16 not in out["ran"] and out["skipped"] == [16]
+    assert out["max_peak"] <= out["budget"]
+
+
+def test_time_fit_takes_the_fastest_run_and_stays_non_negative():
+    from gradstep.memory.probe import _fit_seconds
+
+    clean = [(1, 0, 1.5), (2, 0, 2.0), (4, 0, 3.0)]
+    assert _fit_seconds(clean, []) == pytest.approx((1.0, 0.5))
+    noisy_warmups = [(1, 0, 9.0), (2, 0, 1.9), (4, 0, 9.0)]  # slower warm-ups are ignored
+    assert _fit_seconds(clean, noisy_warmups)[1] > 0.5
+    assert _fit_seconds([(1, 0, 3.0), (4, 0, 1.0)], []) == (2.0, 0.0)  # slope < 0: flat
+    fixed, per_item = _fit_seconds([(1, 0, 0.1), (4, 0, 1.0)], [])  # intercept < 0
+    assert fixed == 0.0 and per_item == pytest.approx((0.1 + 4.0) / 17)

@@ -3,5 +3,44 @@
 from __future__ import annotations
 
 from .checkpointing import checkpoint_blocks
+from .model import MemoryEstimate, TransformerShape, estimate_step_memory
+from .plan import (
+    Candidate,
+    Plan,
+    default_step_time,
+    plan_step,
+    probe_step_time,
+    step_predictor,
+)
+from .probe import (
+    ProbeResult,
+    current_bytes,
+    peak_bytes,
+    pin_mmap_threshold,
+    probe_memory,
+    reset_peak,
+    runtime_bytes,
+)
+from .units import format_bytes, parse_size
 
-__all__ = ["checkpoint_blocks"]
+__all__ = [
+    "Candidate",
+    "MemoryEstimate",
+    "Plan",
+    "ProbeResult",
+    "TransformerShape",
+    "checkpoint_blocks",
+    "current_bytes",
+    "default_step_time",
+    "estimate_step_memory",
+    "format_bytes",
+    "parse_size",
+    "peak_bytes",
+    "pin_mmap_threshold",
+    "plan_step",
+    "probe_memory",
+    "probe_step_time",
+    "reset_peak",
+    "runtime_bytes",
+    "step_predictor",
+]

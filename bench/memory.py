@@ -1,0 +1,467 @@
+"""Predicted vs measured peak memory of a full ``Stepper.step`` of the demo GPT, on CPU.
+
+For every configuration (precision, sequence length, micro-batch size, checkpointing, 1
+process or FSDP2 on 2 gloo ranks) a FRESH process builds the model, takes ``--steps``
+optimizer steps of ``accum`` micro-batches of random full-length token rows, and reports
+its peak RSS (VmHWM, reset after the model is built; FSDP2: the larger of the two ranks).
+Each peak is compared with two predictions:
+
+* analytic: ``estimate_step_memory`` from the shapes, plus ``runtime_bytes()`` read in that
+  process after its imports and before the model exists (RSS so far + the calibrated
+  cost of the first steps' code pages and caches);
+* probe: ``probe_memory`` in another fresh process (one ``Stepper.step`` of one micro-batch
+  at sizes 1, 2, 4, checkpointing off), turned into a prediction for the configuration by
+  ``step_predictor`` (analytic difference for checkpointing and accumulation).
+
+Every process pins glibc's mmap threshold (``pin_mmap_threshold``) so RSS follows the live
+tensors; ``--default-malloc 1`` measures every configuration once more without it, to show
+what glibc's arena retention adds. Then: the probe's cost in seconds, activation
+checkpointing's step-time ratio (interleaved on/off steps in one process, median of
+pairs), and a planner check: ``plan_step`` for budgets derived from the probe, the chosen
+plan run in a fresh process, measured peak <= budget asserted (exit status 1 otherwise).
+
+    .venv/bin/python bench/memory.py              # everything (~5 min on 2 cores)
+    .venv/bin/python bench/memory.py --quick 1    # 5 configurations, no extra columns
+Outputs: a markdown table on stdout, bench/out/memory.json, docs/memory.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+import gradstep
+from _common import (
+    BaseConfig,
+    interleaved_times,
+    lm_loss,
+    machine_info,
+    ratio_stats,
+    run_in_subprocess,
+    run_ranks,
+)
+from gradstep import memory as gm
+from gradstep.memory import checkpoint_blocks
+from gradstep_demo.model import GPT, GPTConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+GOAL = 0.15
+MiB = 2**20
+DTYPES = {"fp32": (torch.float32, None), "bf16": (torch.bfloat16, torch.bfloat16)}
+DTYPES["amp"] = (torch.float32, torch.bfloat16)  # fp32 parameters, bf16 autocast
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    precision: str
+    """fp32; bf16 (bf16 parameters, fp32 accumulation buffers); amp (fp32 + bf16 autocast)."""
+    seq_len: int
+    mbs: int
+    items: int
+    """Items per rank per optimizer step: accum = ceil(items / mbs), last one shorter."""
+    ckpt: bool = False
+    world: int = 1
+
+    @property
+    def accum(self) -> int:
+        return math.ceil(self.items / self.mbs)
+
+    @property
+    def group(self) -> str:
+        """Configurations that share one probe (it runs with checkpointing off)."""
+        return f"{self.precision}-s{self.seq_len}-w{self.world}"
+
+
+CASES = [
+    Case("fp32 s256 b4x2", "fp32", 256, 4, 8),
+    Case("fp32 s256 b16x2", "fp32", 256, 16, 32),
+    Case("fp32 s256 b32x2", "fp32", 256, 32, 64),
+    Case("fp32 s128 b16x2", "fp32", 128, 16, 32),
+    Case("fp32 s256 b8x2 ckpt", "fp32", 256, 8, 16, ckpt=True),
+    Case("fp32 s256 b32x2 ckpt", "fp32", 256, 32, 64, ckpt=True),
+    Case("bf16 s128 b8x2", "bf16", 128, 8, 16),
+    Case("bf16 s128 b16x2 ckpt", "bf16", 128, 16, 32, ckpt=True),
+    Case("amp s128 b8x2", "amp", 128, 8, 16),
+    Case("fsdp2x2 fp32 s256 b8x2", "fp32", 256, 8, 16, world=2),
+    Case("fsdp2x2 fp32 s256 b16x2 ckpt", "fp32", 256, 16, 32, ckpt=True, world=2),
+]
+QUICK = {"fp32 s256 b4x2", "fp32 s256 b32x2", "fp32 s256 b8x2 ckpt", "bf16 s128 b8x2"}
+QUICK |= {"fsdp2x2 fp32 s256 b8x2"}
+
+
+@dataclass(frozen=True)
+class BenchConfig(BaseConfig):
+    quick: int = 0
+    steps: int = 2
+    threads: int = 2
+    probe_sizes: tuple[int, ...] = (1, 2, 4)
+    default_malloc: int = 1
+    pairs: int = 7
+    plan_global_batch: int = 64
+    plan_headroom: tuple[int, ...] = (12, 2)
+    margin: float = 0.1
+    seed: int = 0
+
+    POSITIVE = ("steps", "threads", "pairs", "plan_global_batch")
+    HELP = {
+        "quick": "1: 5 configurations, no default-malloc column, 3 timing pairs",
+        "steps": "optimizer steps per measured configuration",
+        "default_malloc": "1: also measure every configuration with glibc's default malloc",
+        "pairs": "interleaved checkpointing on/off step pairs",
+        "plan_headroom": "planner budgets: (probe fixed + N items) / (1 - margin), for each N",
+    }
+
+
+# ----------------------------------------------------------------------------- in a process
+
+
+def _estimate_kwargs(case: Case) -> dict:
+    param, compute = DTYPES[case.precision]
+    sharded = case.world > 1
+    return {
+        "param_dtype": param,
+        "compute_dtype": compute,
+        "world_size": case.world,
+        "sharded": sharded,
+    }
+
+
+def _build(case: Case, seed: int, fsdp: bool) -> gradstep.Stepper:
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(max_seq_len=case.seq_len)).to(DTYPES[case.precision][0])
+    if case.ckpt:
+        checkpoint_blocks(model)
+    if fsdp:
+        import gradstep.parallel as gd
+
+        model = gd.prepare_model(model, "fsdp")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return gradstep.Stepper(model, opt, precision="fp32" if case.precision == "fp32" else "bf16")
+
+
+def _window(case: Case, sizes: list[int], seed: int) -> list[dict]:
+    gen = torch.Generator().manual_seed(seed)
+    rows = [torch.randint(0, 256, (m, case.seq_len + 1), generator=gen) for m in sizes]
+    return [{"input_ids": r[:, :-1], "labels": r[:, 1:]} for r in rows]
+
+
+def _sizes(case: Case) -> list[int]:
+    return [case.mbs] * (case.accum - 1) + [case.items - (case.accum - 1) * case.mbs]
+
+
+def _measure(case: Case, cfg: dict, rank: int = 0) -> dict:
+    """Peak RSS of ``steps`` full steps in this (fresh) process, and the runtime before it."""
+    pinned = gm.pin_mmap_threshold() if cfg["pinned"] else False
+    runtime = gm.runtime_bytes()
+    stepper = _build(case, cfg["seed"], case.world > 1)
+    window = _window(case, _sizes(case), cfg["seed"] + 1 + rank)
+    source = gm.reset_peak()
+    times = []
+    for _ in range(cfg["steps"]):
+        start = time.perf_counter()
+        stepper.step(window, lm_loss)
+        times.append(time.perf_counter() - start)
+    return {
+        "peak": gm.peak_bytes(),
+        "runtime": runtime,
+        "source": source,
+        "pinned": pinned,
+        "step_s": times,
+    }
+
+
+def _probe(case: Case, cfg: dict, rank: int = 0) -> dict:
+    gm.pin_mmap_threshold()
+    stepper = _build(case, cfg["seed"], case.world > 1)
+    windows = {b: _window(case, [b], cfg["seed"] + 10 * b + rank) for b in cfg["sizes"]}
+    res = gm.probe_memory(lambda b: stepper.step(windows[b], lm_loss), cfg["sizes"], device="cpu")
+    return asdict(res)
+
+
+def _ranks(rank: int, world: int, kind: str, case: Case, cfg: dict) -> dict:
+    return (_measure if kind == "measure" else _probe)(case, cfg, rank)
+
+
+def child(kind: str, payload: dict) -> dict:
+    """Entry point of a fresh process: one measurement, one probe, or the timing."""
+    cfg = payload["cfg"]
+    torch.set_num_threads(cfg["threads"])
+    if kind == "timing":
+        return _timing(Case(**payload["case"]), cfg)
+    case = Case(**payload["case"])
+    if case.world == 1:
+        return (_measure if kind == "measure" else _probe)(case, cfg)
+    results = run_ranks(_ranks, case.world, kind, case, cfg, timeout=900)
+    if kind == "probe":
+        return results[0]
+    worst = max(results, key=lambda r: r["peak"])
+    return {**worst, "ranks": [r["peak"] for r in results]}
+
+
+def _timing(case: Case, cfg: dict) -> dict:
+    """Checkpointing on vs off: two models from one init, interleaved steps, same window."""
+    steppers = {ck: _build(replace(case, ckpt=ck), cfg["seed"], False) for ck in (True, False)}
+    window = _window(case, _sizes(case), cfg["seed"] + 1)
+    times = interleaved_times(
+        lambda i: steppers[True].step(window, lm_loss),
+        lambda i: steppers[False].step(window, lm_loss),
+        warmup=1,
+        pairs=cfg["pairs"],
+    )
+    return {
+        "wall": asdict(ratio_stats(times.wall_a, times.wall_b)),
+        "cpu": asdict(ratio_stats(times.cpu_a, times.cpu_b)),
+    }
+
+
+# ----------------------------------------------------------------------------- orchestration
+
+
+def run_child(kind: str, case: Case, cfg: dict) -> dict:
+    payload = json.dumps({"case": asdict(case), "cfg": cfg})
+    return run_in_subprocess(__file__, ["--child", kind, payload])
+
+
+def predictions(case: Case, measured: dict, probe: dict | None) -> dict:
+    shape = gm.TransformerShape.from_gpt_config(GPTConfig(), case.seq_len)
+    kwargs = _estimate_kwargs(case)
+    est = gm.estimate_step_memory(
+        shape,
+        case.mbs,
+        activation_checkpointing=case.ckpt,
+        accum_steps=case.accum,
+        fixed_bytes=measured["runtime"],
+        **kwargs,
+    )
+    out = {"analytic": est.total, "estimate": est.as_dict()}
+    if probe is not None:
+        res = gm.ProbeResult(**{**probe, "points": [tuple(p) for p in probe["points"]]})
+        predict = gm.step_predictor(shape, probe=res, per_rank_batch=case.items, **kwargs)
+        out["probe"] = predict(case.mbs, case.ckpt)
+    return out
+
+
+def measure_all(cases: list[Case], bench: BenchConfig) -> tuple[list[dict], dict]:
+    cfg = _cfg(bench)
+    probes: dict[str, dict] = {}
+    for case in cases:
+        if case.group not in probes:
+            probes[case.group] = run_child("probe", replace(case, ckpt=False), cfg)
+            print(f"probe {case.group}: {_probe_line(probes[case.group])}", file=sys.stderr)
+    rows = []
+    for case in cases:
+        measured = run_child("measure", case, cfg)
+        row = {
+            "case": asdict(case),
+            "name": case.name,
+            "measured": measured["peak"],
+            "runtime": measured["runtime"],
+            "step_s": measured["step_s"],
+        }
+        row.update(predictions(case, measured, probes[case.group]))
+        if bench.default_malloc and not bench.quick:
+            row["measured_default_malloc"] = run_child("measure", case, {**cfg, "pinned": False})[
+                "peak"
+            ]
+        print(f"{case.name}: {_row_line(row)}", file=sys.stderr)
+        rows.append(row)
+    return rows, probes
+
+
+def _probe_line(p: dict) -> str:
+    pts = ", ".join(f"b={b}: {gm.format_bytes(pk)}" for b, pk, _ in p["points"])
+    return (
+        f"fixed {gm.format_bytes(p['fixed_bytes'])} + {gm.format_bytes(p['per_item_bytes'])}"
+        f"/item [{pts}] in {p['seconds_total']:.1f}s"
+    )
+
+
+def _err(pred: float, meas: float) -> float:
+    return pred / meas - 1
+
+
+def _row_line(r: dict) -> str:
+    return (
+        f"measured {gm.format_bytes(r['measured'])}, analytic {gm.format_bytes(r['analytic'])} "
+        f"({_err(r['analytic'], r['measured']):+.1%}), probe {gm.format_bytes(r['probe'])} "
+        f"({_err(r['probe'], r['measured']):+.1%})"
+    )
+
+
+def planner_check(bench: BenchConfig, probes: dict, ckpt_ratio: float) -> list[dict]:
+    """Plan for budgets derived from the fp32 s256 probe; run each chosen plan; check it."""
+    base = Case("plan", "fp32", 256, 1, bench.plan_global_batch)
+    probe = probes.get(base.group) or run_child("probe", base, _cfg(bench))
+    res = gm.ProbeResult(**{**probe, "points": [tuple(p) for p in probe["points"]]})
+    shape = gm.TransformerShape.from_gpt_config(GPTConfig(), base.seq_len)
+    predict = gm.step_predictor(shape, probe=res, per_rank_batch=base.items)
+    timer = gm.probe_step_time(res, checkpoint_factor=ckpt_ratio)
+    checks = []
+    for headroom in bench.plan_headroom:
+        # Usable (after the margin) = probe's fixed cost + ``headroom`` items' worth.
+        usable = res.fixed_bytes + headroom * res.per_item_bytes
+        budget = math.ceil(usable / (1 - bench.margin) / MiB) * MiB
+        plan = gm.plan_step(
+            budget, base.items, predict=predict, step_time=timer, margin=bench.margin
+        )
+        case = replace(
+            base,
+            name=f"plan {headroom}",
+            mbs=plan.micro_batch_size,
+            ckpt=plan.activation_checkpointing,
+        )
+        measured = run_child("measure", case, _cfg(bench))["peak"]
+        checks.append(
+            {
+                "budget": budget,
+                "plan": plan.to_json(),
+                "table": plan.table(),
+                "measured": measured,
+                "ok": measured <= budget,
+            }
+        )
+    return checks
+
+
+def _cfg(bench: BenchConfig) -> dict:
+    return {
+        "steps": bench.steps,
+        "threads": bench.threads,
+        "seed": bench.seed,
+        "pinned": True,
+        "sizes": list(bench.probe_sizes),
+        "pairs": bench.pairs,
+    }
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def print_report(rows: list[dict], probes: dict, timing: dict, checks: list[dict]) -> None:
+    extra = any("measured_default_malloc" in r for r in rows)
+    print("\n## Peak memory of a full Stepper.step: predicted vs measured (CPU RSS)\n")
+    head = "| configuration | accum | measured | analytic | error | probe | error |"
+    print(head + (" default glibc | retention |" if extra else ""))
+    print("|---|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if extra else ""))
+    for r in rows:
+        m = r["measured"]
+        line = (
+            f"| {r['name']} | {r['case']['items'] // r['case']['mbs']} | {gm.format_bytes(m)} "
+            f"| {gm.format_bytes(r['analytic'])} | {_err(r['analytic'], m):+.1%} "
+            f"| {gm.format_bytes(r['probe'])} | {_err(r['probe'], m):+.1%} |"
+        )
+        if extra:
+            d = r["measured_default_malloc"]
+            line += f" {gm.format_bytes(d)} | {d / m - 1:+.0%} |"
+        print(line)
+    worst_a = max(abs(_err(r["analytic"], r["measured"])) for r in rows)
+    worst_p = max(abs(_err(r["probe"], r["measured"])) for r in rows)
+    print(
+        f"\nworst |error|: analytic {worst_a:.1%}, probe {worst_p:.1%} (goal {GOAL:.0%}: "
+        f"{'met' if max(worst_a, worst_p) <= GOAL else 'MISSED'})"
+    )
+    print("\n## Probe cost (1 Stepper.step per size, after a warm-up step)\n")
+    print("| probe | sizes | fixed | per item | seconds |\n|---|---|---:|---:|---:|")
+    for group, p in probes.items():
+        sizes = ",".join(str(b) for b, _, _ in p["points"])
+        print(
+            f"| {group} | {sizes} | {gm.format_bytes(p['fixed_bytes'])} "
+            f"| {gm.format_bytes(p['per_item_bytes'])} | {p['seconds_total']:.2f} |"
+        )
+    for clock in ("wall", "cpu"):
+        t = timing[clock]
+        print(
+            f"\nactivation checkpointing step time / off ({clock}, {t['pairs']} interleaved "
+            f"pairs): median {t['median_ratio']:.3f} (IQR {t['ratio_q1']:.3f}-{t['ratio_q3']:.3f},"
+            f" 95% CI {t['ci95_low']:.3f}-{t['ci95_high']:.3f}; {t['median_b_ms']:.0f} ms off)"
+        )
+    print("\n## Planner check\n")
+    for c in checks:
+        verdict = "OK" if c["ok"] else "OVER BUDGET"
+        print(c["table"])
+        print(
+            f"measured peak of the chosen plan: {gm.format_bytes(c['measured'])} <= budget "
+            f"{gm.format_bytes(c['budget'])}: {verdict}\n"
+        )
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 6))
+    ax = fig.add_subplot()
+    meas = [r["measured"] / MiB for r in rows]
+    lo, hi = min(meas) * 0.8, max(meas) * 1.2
+    line = [lo, hi]
+    ax.plot(line, line, color="black", lw=1, label="predicted = measured")
+    ax.fill_between(
+        line,
+        [x * (1 - GOAL) for x in line],
+        [x * (1 + GOAL) for x in line],
+        color="tab:green",
+        alpha=0.15,
+        label=f"±{GOAL:.0%}",
+    )
+    ax.scatter(meas, [r["analytic"] / MiB for r in rows], marker="o", label="analytic")
+    ax.scatter(meas, [r["probe"] / MiB for r in rows], marker="x", s=60, label="probe")
+    for r, m in zip(rows, meas, strict=True):
+        ax.annotate(
+            r["name"],
+            (m, r["analytic"] / MiB),
+            fontsize=6,
+            xytext=(4, -8),
+            textcoords="offset points",
+        )
+    ax.set_xlabel("measured peak per device (MiB, CPU VmHWM)")
+    ax.set_ylabel("predicted peak (MiB)")
+    ax.set_title("gradstep memory model: demo GPT, full Stepper.step")
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
+    ax.legend(loc="upper left")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=130)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = BenchConfig.parser(__doc__)
+    ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    bench, ns = BenchConfig.parse(argv, ap)
+    if ns.child:
+        print(json.dumps(child(ns.child[0], json.loads(ns.child[1]))))
+        return 0
+    if bench.quick:
+        bench = replace(bench, pairs=min(bench.pairs, 3), default_malloc=0)
+    cases = [c for c in CASES if not bench.quick or c.name in QUICK]
+    start = time.perf_counter()
+    rows, probes = measure_all(cases, bench)
+    timing = run_child("timing", Case("timing", "fp32", 256, 8, 16), _cfg(bench))
+    checks = planner_check(bench, probes, timing["wall"]["median_ratio"])
+    print_report(rows, probes, timing, checks)
+    out = {
+        "config": asdict(bench),
+        "machine": machine_info(),
+        "rows": rows,
+        "probes": probes,
+        "timing": timing,
+        "planner": checks,
+        "seconds": time.perf_counter() - start,
+    }
+    (ROOT / "bench" / "out").mkdir(parents=True, exist_ok=True)
+    (ROOT / "bench" / "out" / "memory.json").write_text(json.dumps(out, indent=1))
+    plot(rows, ROOT / "docs" / "memory.png")
+    print(f"total {out['seconds']:.0f}s; wrote bench/out/memory.json and docs/memory.png")
+    return 0 if all(c["ok"] for c in checks) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

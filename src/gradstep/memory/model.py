@@ -1,0 +1,388 @@
+"""Analytic memory model of one training step of a decoder transformer, per device.
+
+The model counts the tensors that are alive at the two moments a step peaks, from the
+shapes alone (before anything is allocated):
+
+* the **backward peak**: every activation the forward pass saved, the model states, and the
+  gradient temporaries of the first backward operations (the cross-entropy's, or, with
+  activation checkpointing, a recomputed block's);
+* the **optimizer-step peak**: model states, full gradients and the optimizer's temporaries.
+
+``total = fixed + max(backward peak, step peak)``. Each component field of
+:class:`MemoryEstimate` is the most of that kind alive at any point of the step, so the
+fields may add up to more than ``total`` (gradients, say, are complete only at the step).
+
+Activation terms were derived for ``gradstep_demo.model.GPT`` (pre-norm LayerNorm blocks,
+fused SDPA attention, rotary q/k, GELU MLP, tied head) with ``gradstep.token_loss``, and
+checked tensor by tensor against what autograd saves (``saved_tensors_hooks``) and against
+the CPU allocator's live bytes (profiler memory events): the formula matches both to < 1%
+for fp32, bf16 and fp32-with-bf16-autocast. Korthikanti et al. (2022, "Reducing Activation
+Recomputation in Large Transformer Models") is the template; the differences are what this
+model keeps: RoPE's rotated q and k (+2d), no dropout masks, no s^2 score matrix (the
+fused kernels, CPU flash and CUDA flash/efficient, keep only a logsumexp per head and
+token), and an fp32 ``(tokens, vocab)`` log-softmax for the loss.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+__all__ = ["MemoryEstimate", "TransformerShape", "estimate_step_memory"]
+
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0, "none": 0}
+"""Tensors of parameter size the optimizer keeps per parameter (torch keeps them in the
+parameter's dtype: AdamW exp_avg and exp_avg_sq, SGD's momentum buffer)."""
+
+_FP32 = 4
+_INT64 = 8
+
+
+@dataclass(frozen=True)
+class TransformerShape:
+    """Dimensions of a pre-norm decoder transformer (the demo GPT's layout by default).
+
+    Parameter tensors per block: ``qkv (3d, d)``, ``attn out (d, d)``, ``fc (d_ff, d)``,
+    ``mlp out (d, d_ff)`` (no biases, ``linear_bias=False``), and ``norms_per_block``
+    LayerNorms of ``(d,)`` weight and bias. Outside the blocks: the embedding ``(V, d)``, the
+    final norm and, unless ``tied_embeddings``, a separate head ``(V, d)``.
+    """
+
+    n_layer: int
+    d_model: int
+    n_head: int
+    vocab_size: int
+    seq_len: int
+    d_ff: int | None = None
+    tied_embeddings: bool = True
+    norms_per_block: int = 2
+    linear_bias: bool = False
+    norm_bias: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("n_layer", "d_model", "n_head", "vocab_size", "seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"TransformerShape.{name} must be >= 1, got {getattr(self, name)}")
+        if self.d_model % self.n_head:
+            raise ValueError(
+                f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head})"
+            )
+
+    @classmethod
+    def from_gpt_config(cls, cfg: object, seq_len: int | None = None) -> TransformerShape:
+        """The shape of a ``gradstep_demo.model.GPTConfig`` (``seq_len`` defaults to its max)."""
+        d = cfg.d_model  # type: ignore[attr-defined]
+        return cls(
+            n_layer=cfg.n_layer,  # type: ignore[attr-defined]
+            d_model=d,
+            n_head=cfg.n_head,  # type: ignore[attr-defined]
+            vocab_size=cfg.vocab_size,  # type: ignore[attr-defined]
+            seq_len=seq_len or cfg.max_seq_len,  # type: ignore[attr-defined]
+            d_ff=cfg.mlp_ratio * d,  # type: ignore[attr-defined]
+            tied_embeddings=cfg.tie_weights,  # type: ignore[attr-defined]
+        )
+
+    @property
+    def ffn(self) -> int:
+        return self.d_ff if self.d_ff is not None else 4 * self.d_model
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    def block_tensors(self) -> list[tuple[int, ...]]:
+        """Parameter shapes of one block (FSDP2 shards each along dim 0)."""
+        d, f = self.d_model, self.ffn
+        linears = [(3 * d, d), (d, d), (f, d), (d, f)]
+        out: list[tuple[int, ...]] = list(linears)
+        if self.linear_bias:
+            out += [(rows,) for rows, _ in linears]
+        out += [(d,)] * (self.norms_per_block * (2 if self.norm_bias else 1))
+        return out
+
+    def other_tensors(self) -> list[tuple[int, ...]]:
+        """Parameter shapes outside the blocks: embedding, final norm, untied head."""
+        v, d = self.vocab_size, self.d_model
+        out: list[tuple[int, ...]] = [(v, d)] + [(d,)] * (2 if self.norm_bias else 1)
+        return out if self.tied_embeddings else [*out, (v, d)]
+
+    def matmul_numel(self, blocks: int | None = None) -> int:
+        """Weights that go through a matmul (what autocast casts): ``blocks`` blocks + head."""
+        d, f, v = self.d_model, self.ffn, self.vocab_size
+        per_block = 3 * d * d + d * d + 2 * f * d
+        return per_block * (self.n_layer if blocks is None else blocks) + v * d
+
+    @property
+    def block_params(self) -> int:
+        return _numel(self.block_tensors())
+
+    @property
+    def params(self) -> int:
+        """Unique parameters (a tied head counted once)."""
+        return self.n_layer * self.block_params + _numel(self.other_tensors())
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per device of one training step (see the module docstring for ``total``)."""
+
+    params: int
+    grads: int
+    """Gradients at the optimizer step (param dtype, this device's shard)."""
+    accum_buffers: int
+    """gradstep's float32 accumulation buffers of bf16/fp16 parameters (kept between steps)."""
+    optimizer: int
+    activations: int
+    """Peak of activation memory of one micro-batch: saved tensors + backward temporaries."""
+    unsharded_block: int
+    """FSDP2: all-gathered parameters alive at once (root group + current and prefetched
+    block) and one block's gradient buffers for the reduce-scatter."""
+    fixed: int
+    total: int
+    grads_in_backward: int = 0
+    """Gradient memory already alive at the backward peak (0 before the first gradient)."""
+    weight_copies: int = 0
+    """autocast's low-precision copies of matmul weights, kept by the graph for backward."""
+    step_temporaries: int = 0
+    """The optimizer step's own temporaries (AdamW's sqrt(v) denominators)."""
+    backward_peak: int = 0
+    step_peak: int = 0
+    activations_per_item: float = 0.0
+    """Slope of ``activations`` in micro-batch items (one sequence of ``seq_len``)."""
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _numel(shapes: Sequence[tuple[int, ...]]) -> int:
+    return sum(math.prod(s) for s in shapes)
+
+
+def _shard_numel(shapes: Sequence[tuple[int, ...]], world: int) -> int:
+    """FSDP2's per-rank storage: dim 0 padded to a multiple of ``world`` and split."""
+    return sum(math.ceil(s[0] / world) * math.prod(s[1:]) for s in shapes)
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class _Bytes:
+    """Element sizes of the step: parameter, compute, residual-stream and reduce dtypes."""
+
+    param: int
+    compute: int
+    residual: int
+    """The residual stream's dtype: that of the (unsharded) parameters, since the
+    embedding output starts it and adds promote to it even under autocast."""
+    unsharded: int
+
+
+def per_token_terms(shape: TransformerShape, b: _Bytes) -> dict[str, float]:
+    """Activation bytes per token, by where they are kept (the formulas of the model).
+
+    Per block (``n`` norms, ``d`` model width, ``f`` MLP width, ``h`` heads):
+
+    * ``n*d*e_r``: each LayerNorm's input (its backward needs it);
+    * ``n*2*e_r``: each LayerNorm's mean and rstd;
+    * ``n*d*e_c``: each norm's output, the input of the next matmul (qkv, fc);
+    * ``3d*e_c``: the qkv projection (the rotary multiplies and SDPA's v keep views of it,
+      so the whole storage stays);
+    * ``2d*e_c``: rotated q and k (SDPA's inputs);
+    * ``d*e_c``: the attention output (SDPA and, as a view, the out-projection keep it);
+    * ``4h``: SDPA's fp32 logsumexp per head (no s^2 matrix with fused kernels);
+    * ``2f*e_c``: the fc output (GELU's backward) and the GELU output (down-projection's).
+
+    Head: final norm input, stats and output; the fp32 log-softmax over the vocabulary
+    (``token_loss`` upcasts the logits; log_softmax keeps its output); int64 ids and targets.
+    Temporaries at the backward peak: ``ce`` = two fp32 ``(tokens, V)`` gradients (w.r.t.
+    the log-probs and the logits) alive together in log_softmax's backward; ``block`` = the
+    gradient of a block's output (``d*e_r``) and of its MLP hidden (``f*e_c``) in the
+    down-projection's backward.
+    """
+    d, f, n, h, v = shape.d_model, shape.ffn, shape.norms_per_block, shape.n_head, shape.vocab_size
+    e_c, e_r = b.compute, b.residual
+    block = n * d * e_r + n * 2 * e_r + n * d * e_c + 6 * d * e_c + 4 * h + 2 * f * e_c
+    head = d * e_r + 2 * e_r + d * e_c + v * _FP32 + 2 * _INT64
+    return {
+        "block": block,
+        "head": head,
+        "block_input": d * e_r,
+        "ce_temporaries": 2 * v * _FP32,
+        "block_temporaries": d * e_r + f * e_c,
+    }
+
+
+def _activations(
+    shape: TransformerShape, b: _Bytes, micro_batch_size: int, checkpointing: bool
+) -> tuple[int, float]:
+    """(peak activation bytes, bytes per item) of one micro-batch.
+
+    Without checkpointing the peak is in the loss's backward (everything saved + ``ce``),
+    or, for very wide MLPs, in the top block's backward (head tensors already freed).
+    With checkpointing the forward keeps only each block's input; backward recomputes one
+    block at a time, so the peak is ``(L-1)`` inputs + one block's saved set (which holds
+    its own input) + that block's gradient temporaries, or the head phase if larger.
+    """
+    t = per_token_terms(shape, b)
+    layers = shape.n_layer
+    if checkpointing:
+        head_phase = layers * t["block_input"] + t["head"] + t["ce_temporaries"]
+        block_phase = (layers - 1) * t["block_input"] + t["block"] + t["block_temporaries"]
+    else:
+        head_phase = layers * t["block"] + t["head"] + t["ce_temporaries"]
+        block_phase = layers * t["block"] + t["block_temporaries"]
+    per_token = max(head_phase, block_phase)
+    # cos/sin tables of (seq_len, head_dim), in the residual dtype, shared by all blocks.
+    rope = 2 * shape.seq_len * shape.head_dim * b.residual
+    per_item = per_token * shape.seq_len
+    return round(per_item * micro_batch_size + rope), per_item
+
+
+def _check_args(optimizer: str, micro_batch_size: int, world_size: int) -> None:
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_STATES)}, got {optimizer!r}")
+    if micro_batch_size < 1 or world_size < 1:
+        raise ValueError(
+            f"micro_batch_size and world_size must be >= 1, got {micro_batch_size}, {world_size}"
+        )
+
+
+def _grads_in_backward(
+    shape: TransformerShape,
+    b: _Bytes,
+    *,
+    sharded: bool,
+    world: int,
+    accum_steps: int | None,
+    sync_each_micro_batch: bool,
+    checkpointing: bool,
+    buffered: bool,
+) -> int:
+    """Gradient bytes alive at the backward peak.
+
+    The Stepper zeroes gradients to None at the start of a step, so the first micro-batch's
+    loss backward (the peak without checkpointing) runs before any gradient exists, and a
+    recomputed top block (the peak with it) after the head's and that block's. Later
+    micro-batches run with every gradient of the step alive. Accumulation buffers take each
+    gradient as it appears and free it, leaving at most the largest tensor's. FSDP2 without
+    per-micro-batch sync keeps *unsharded* gradients (its reduce dtype, float32 with the
+    bf16 policy) until the last micro-batch reduce-scatters them.
+    """
+    first_only = accum_steps == 1
+    all_shapes = shape.block_tensors() * shape.n_layer + shape.other_tensors()
+    if buffered:
+        return max(math.prod(s) for s in all_shapes) * b.param
+    if sharded and not first_only and not sync_each_micro_batch:
+        return shape.params * (_FP32 if b.unsharded != b.param else b.param)
+    count = _shard_numel if sharded else lambda shapes, _w: _numel(shapes)
+    if not first_only:
+        return count(all_shapes, world) * b.param
+    if not checkpointing:
+        return 0
+    return count(shape.other_tensors() + shape.block_tensors(), world) * b.param
+
+
+def _fsdp_unsharded(shape: TransformerShape, b: _Bytes, reduces: bool) -> int:
+    """All-gathered parameters alive at once under FSDP2 (and reduce-scatter buffers).
+
+    The root group (embedding, final norm, head) stays unsharded from forward to backward
+    (FSDP2 does not reshard the root after forward); blocks are resharded after their
+    forward, but the next block's all-gather is issued before the current one is freed, so
+    two blocks are unsharded at once. A micro-batch that reduce-scatters also holds one
+    block's unsharded gradient and the flat copy it reduce-scatters from.
+    """
+    root = _numel(shape.other_tensors())
+    grads = 2 * shape.block_params * _FP32 if reduces else 0
+    return (root + 2 * shape.block_params) * b.unsharded + grads
+
+
+def estimate_step_memory(
+    shape: TransformerShape,
+    micro_batch_size: int,
+    *,
+    param_dtype: torch.dtype = torch.float32,
+    compute_dtype: torch.dtype | None = None,
+    optimizer: str = "adamw",
+    accum_dtype: torch.dtype | None = None,
+    world_size: int = 1,
+    sharded: bool = False,
+    activation_checkpointing: bool = False,
+    fixed_bytes: int = 0,
+    accum_steps: int | None = None,
+    sync_each_micro_batch: bool = False,
+    foreach: bool = False,
+) -> MemoryEstimate:
+    """Predicted bytes per device of one ``Stepper.step`` with micro-batches of
+    ``micro_batch_size`` sequences of ``shape.seq_len`` tokens.
+
+    ``compute_dtype``: autocast's dtype (None: the parameter dtype). With ``sharded`` (FSDP2
+    over ``world_size`` ranks) it is the ``MixedPrecisionPolicy`` parameter dtype, as
+    ``gradstep.parallel.prepare_model(precision="bf16")`` sets it: the all-gathered
+    parameters, and so the whole forward, are in that dtype. ``accum_dtype``: None means
+    float32 buffers for bf16/fp16 parameters (what the Stepper does; not with FSDP2, which
+    accumulates itself). ``accum_steps``: micro-batches per step, None when unknown (then
+    gradients are counted as alive at the backward peak, the worst case). ``foreach``:
+    whether the optimizer uses its foreach implementation (torch's default on CUDA; on CPU
+    it loops over parameters). ``fixed_bytes``: the runtime's own cost (CUDA context is not
+    in ``max_memory_allocated``; on CPU, interpreter + torch: measure it or probe it).
+    """
+    _check_args(optimizer, micro_batch_size, world_size)
+    e_p = _size(param_dtype)
+    e_c = _size(compute_dtype) if compute_dtype is not None else e_p
+    e_u = e_c if sharded else e_p
+    sizes = _Bytes(param=e_p, compute=e_c, residual=e_u, unsharded=e_u)
+    shards = sharded and world_size > 1
+    all_shapes = shape.block_tensors() * shape.n_layer + shape.other_tensors()
+    local = _shard_numel(all_shapes, world_size) if shards else shape.params
+    if accum_dtype is None and param_dtype in (torch.float16, torch.bfloat16) and not sharded:
+        accum_dtype = torch.float32
+    buffered = accum_dtype is not None and accum_dtype != param_dtype and not sharded
+    params = local * e_p
+    grads = local * e_p
+    accum = shape.params * _size(accum_dtype) if buffered and accum_dtype else 0
+    opt = OPTIMIZER_STATES[optimizer] * local * e_p
+    # foreach: one parameter-sized temporary for the whole list; a loop: two of the largest
+    # tensor (sqrt(v) and its quotient by the bias correction) at a time.
+    largest = max(math.prod(s) for s in all_shapes)
+    step_tmp = 0 if optimizer in ("sgd", "none") else (local if foreach else 2 * largest) * e_p
+    acts, per_item = _activations(shape, sizes, micro_batch_size, activation_checkpointing)
+    g_bwd = _grads_in_backward(
+        shape,
+        sizes,
+        sharded=shards,
+        world=world_size,
+        accum_steps=accum_steps,
+        sync_each_micro_batch=sync_each_micro_batch,
+        checkpointing=activation_checkpointing,
+        buffered=buffered,
+    )
+    reduces = accum_steps == 1 or sync_each_micro_batch
+    unsharded = _fsdp_unsharded(shape, sizes, reduces) if shards else 0
+    copies = 0
+    if e_c != e_u:
+        # Without checkpointing every block's cast weights are saved; with it only the
+        # head's and the recomputed block's exist at once.
+        copies = shape.matmul_numel(1 if activation_checkpointing else None) * e_c
+    backward = params + g_bwd + accum + opt + unsharded + copies + acts
+    step = params + grads + accum + opt + step_tmp
+    return MemoryEstimate(
+        params=params,
+        grads=grads,
+        accum_buffers=accum,
+        optimizer=opt,
+        activations=acts,
+        unsharded_block=unsharded,
+        fixed=fixed_bytes,
+        total=fixed_bytes + max(backward, step),
+        grads_in_backward=g_bwd,
+        weight_copies=copies,
+        step_temporaries=step_tmp,
+        backward_peak=backward,
+        step_peak=step,
+        activations_per_item=per_item,
+    )

@@ -1,0 +1,171 @@
+"""plan_step on synthetic predictions and step times."""
+
+import json
+
+import pytest
+import torch
+
+from gradstep.memory import (
+    ProbeResult,
+    TransformerShape,
+    default_step_time,
+    estimate_step_memory,
+    plan_step,
+    probe_step_time,
+    step_predictor,
+)
+from gradstep.memory.plan import _default_sizes
+
+MiB = 2**20
+
+
+def linear(fixed_mib, per_item_mib, ckpt_per_item_mib=None):
+    """peak = fixed + per_item * mbs; checkpointing shrinks the per-item cost."""
+    ckpt = per_item_mib / 4 if ckpt_per_item_mib is None else ckpt_per_item_mib
+
+    def predict(mbs, checkpointing):
+        return int((fixed_mib + (ckpt if checkpointing else per_item_mib) * mbs) * MiB)
+
+    return predict
+
+
+def test_default_sizes_are_powers_of_two_and_divisors():
+    assert _default_sizes(12) == [1, 2, 3, 4, 6, 8, 12]
+    assert _default_sizes(1) == [1]
+    assert _default_sizes(20) == [1, 2, 4, 5, 8, 10, 16, 20]
+
+
+def test_global_batch_stays_exact_with_a_short_last_micro_batch():
+    plan = plan_step(1000 * MiB, 10, predict=linear(100, 10), micro_batch_sizes=[4])
+    assert (plan.micro_batch_size, plan.accum_steps, plan.last_micro_batch_size) == (4, 3, 2)
+    for c in plan.candidates:
+        assert (c.accum_steps - 1) * c.micro_batch_size + c.last_micro_batch_size == 10
+    # Over ranks: each of 2 ranks takes 5 items.
+    plan = plan_step(1000 * MiB, 10, world_size=2, predict=linear(100, 10))
+    assert plan.per_rank_batch == 5
+    assert all(c.micro_batch_size <= 5 for c in plan.candidates)
+    assert {
+        (c.micro_batch_size, c.accum_steps, c.last_micro_batch_size) for c in plan.candidates
+    } >= {
+        (4, 2, 1),
+        (5, 1, 5),
+    }
+
+
+def test_margin_decides_what_fits():
+    predict = linear(0, 100)  # mbs * 100 MiB
+    plan = plan_step(1000 * MiB, 16, predict=predict, margin=0.1, checkpointing=(False,))
+    fits = {c.micro_batch_size: c.fits for c in plan.candidates}
+    assert fits[8] and not fits[16]  # 800 <= 900 < 1600
+    assert plan.micro_batch_size == 8 and plan.predicted_peak_bytes == 800 * MiB
+    tight = plan_step(1000 * MiB, 9, predict=predict, margin=0.1, micro_batch_sizes=[9])
+    assert tight.candidates[0].fits  # 900 == 1000 * (1 - 0.1): the boundary fits
+    loose = plan_step(1000 * MiB, 9, predict=predict, margin=0.2, checkpointing=(False,))
+    assert not next(c for c in loose.candidates if c.micro_batch_size == 9).fits  # 900 > 800
+
+
+def test_chosen_is_the_fastest_that_fits():
+    plan = plan_step(1000 * MiB, 64, predict=linear(100, 50))
+    # No checkpointing: mbs <= 16 fits (900 MiB usable); the largest amortises the overhead.
+    assert (plan.micro_batch_size, plan.activation_checkpointing) == (16, False)
+    chosen = next(
+        c for c in plan.candidates if c.micro_batch_size == 16 and not c.activation_checkpointing
+    )
+    assert chosen.relative_throughput == 1.0
+    assert all(c.relative_throughput <= 1.0 for c in plan.candidates if c.fits)
+    # A step time that punishes large micro-batches (say, cache effects) flips the choice.
+    plan = plan_step(1000 * MiB, 64, predict=linear(100, 50), step_time=lambda m, c: m * m)
+    assert plan.micro_batch_size == 1
+
+
+def test_checkpointing_only_when_needed():
+    # No micro-batch fits without checkpointing: it must be on.
+    plan = plan_step(1000 * MiB, 32, predict=linear(100, 1000, ckpt_per_item_mib=50))
+    assert plan.activation_checkpointing and plan.micro_batch_size == 16
+    # When time is per item (no per-micro-batch overhead), checkpointing is pure cost.
+    per_item = default_step_time(overhead_items=0.0)
+    plan = plan_step(1000 * MiB, 32, predict=linear(100, 100), step_time=per_item)
+    assert not plan.activation_checkpointing and plan.micro_batch_size == 8
+    # A large per-micro-batch overhead can make checkpointing + a bigger micro-batch win.
+    heavy = default_step_time(overhead_items=50.0)
+    plan = plan_step(1000 * MiB, 32, predict=linear(100, 400), step_time=heavy)
+    assert plan.activation_checkpointing and plan.micro_batch_size == 8
+
+
+def test_ties_prefer_no_checkpointing_then_larger_micro_batches():
+    flat = lambda mbs, ckpt: 1.0 * mbs  # noqa: E731 - same items/s for every candidate
+    plan = plan_step(1000 * MiB, 8, predict=lambda m, c: MiB, step_time=flat)
+    assert (plan.micro_batch_size, plan.activation_checkpointing) == (8, False)
+
+
+def test_nothing_fits_names_the_budget():
+    with pytest.raises(ValueError, match=r"memory budget 100\.00 MiB is too small.*needs"):
+        plan_step(100 * MiB, 8, predict=linear(200, 10))
+    with pytest.raises(ValueError, match="memory budget"):
+        plan_step("lots", 8, predict=linear(1, 1))
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="global_batch"):
+        plan_step(MiB, 0, predict=linear(0, 0))
+    with pytest.raises(ValueError, match="world_size"):
+        plan_step(MiB, 2, world_size=4, predict=linear(0, 0))
+    with pytest.raises(ValueError, match="margin"):
+        plan_step(MiB, 2, predict=linear(0, 0), margin=1.0)
+    with pytest.raises(ValueError, match="micro-batch size"):
+        plan_step(MiB, 2, predict=linear(0, 0), micro_batch_sizes=[5])
+
+
+def test_json_and_table():
+    plan = plan_step("1GiB", 24, world_size=2, predict=linear(100, 50))
+    out = json.loads(json.dumps(plan.to_json()))
+    for key in (
+        "micro_batch_size",
+        "accum_steps",
+        "activation_checkpointing",
+        "predicted_peak_bytes",
+        "candidates",
+    ):
+        assert key in out
+    assert out["budget_bytes"] == 2**30
+    assert {"micro_batch_size", "relative_throughput", "fits"} <= set(out["candidates"][0])
+    table = plan.table()
+    chosen = [line for line in table.splitlines() if line.startswith("*")]
+    assert len(chosen) == 1 and f" {plan.micro_batch_size} " in chosen[0]
+    assert "1.00 GiB" in table and "chosen: micro-batch" in table
+    widths = {len(line) for line in table.splitlines()[1:-1]}
+    assert len(widths) == 1  # aligned
+
+
+def test_step_predictor_uses_the_probe_and_the_analytic_checkpointing_difference():
+    shape = TransformerShape(n_layer=2, d_model=8, n_head=2, vocab_size=16, seq_len=4, d_ff=16)
+    probe = ProbeResult(
+        fixed_bytes=10_000,
+        per_item_bytes=5000,
+        points=[],
+        seconds_total=0.0,
+        source="x",
+        seconds_per_micro_batch=1.0,
+        seconds_per_item=0.5,
+    )
+    predict = step_predictor(
+        shape, probe=probe, per_rank_batch=8, probe_accum_steps=4, extra_bytes=7
+    )
+    assert predict(2, False) == 10_000 + 5000 * 2 + 7
+    on = estimate_step_memory(shape, 2, activation_checkpointing=True, accum_steps=4).total
+    off = estimate_step_memory(shape, 2, accum_steps=4).total
+    assert predict(2, True) == predict(2, False) + on - off
+    analytic = step_predictor(shape, param_dtype=torch.float32, fixed_bytes=123)
+    assert analytic(2, False) == estimate_step_memory(shape, 2, fixed_bytes=123).total
+    timer = probe_step_time(probe)
+    assert timer(2, False) == 2.0 and timer(2, True) == pytest.approx(2.0 * 4 / 3)
+
+
+def test_step_predictor_adds_the_gradients_a_one_micro_batch_probe_never_held():
+    # The probe ran 1 micro-batch per step (its loss backward ran before any gradient
+    # existed); a window of 4 holds all of them from the second micro-batch on.
+    shape = TransformerShape(n_layer=2, d_model=8, n_head=2, vocab_size=16, seq_len=4, d_ff=16)
+    probe = ProbeResult(10_000, 5000, [], 0.0, "x")
+    predict = step_predictor(shape, probe=probe, per_rank_batch=8)  # probe_accum_steps=1
+    assert predict(2, False) == probe.predict(2) + 1232 * 4  # P fp32 gradients
+    assert predict(8, False) == probe.predict(8)  # 1 micro-batch: same as the probe
