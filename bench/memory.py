@@ -52,6 +52,8 @@ from gradstep.memory import checkpoint_blocks
 from gradstep_demo.model import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "bench" / "out" / "memory.json"
+PNG = ROOT / "docs" / "memory.png"
 GOAL = 0.15
 MiB = 2**20
 DTYPES = {"fp32": (torch.float32, None), "bf16": (torch.bfloat16, torch.bfloat16)}
@@ -109,6 +111,7 @@ class BenchConfig(BaseConfig):
     plan_headroom: tuple[int, ...] = (12, 2)
     margin: float = 0.1
     seed: int = 0
+    plot_only: int = 0
 
     POSITIVE = ("steps", "threads", "pairs", "plan_global_batch")
     HELP = {
@@ -116,6 +119,7 @@ class BenchConfig(BaseConfig):
         "steps": "optimizer steps per measured configuration",
         "default_malloc": "1: also measure every configuration with glibc's default malloc",
         "pairs": "interleaved checkpointing on/off step pairs",
+        "plot_only": "1: only redraw docs/memory.png from bench/out/memory.json",
         "plan_headroom": "planner budgets: (probe fixed + N items) / (1 - margin), for each N",
     }
 
@@ -394,42 +398,39 @@ def print_report(rows: list[dict], probes: dict, timing: dict, checks: list[dict
 
 
 def plot(rows: list[dict], path: Path) -> None:
+    """Left: predicted vs measured with the ±15% band; right: the error of every row."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(7, 6))
-    ax = fig.add_subplot()
+    fig = Figure(figsize=(12, 5.5))
+    ax, ax_err = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 1.1]})
     meas = [r["measured"] / MiB for r in rows]
-    lo, hi = min(meas) * 0.8, max(meas) * 1.2
-    line = [lo, hi]
+    line = [min(meas) * 0.85, max(meas) * 1.15]
     ax.plot(line, line, color="black", lw=1, label="predicted = measured")
-    ax.fill_between(
-        line,
-        [x * (1 - GOAL) for x in line],
-        [x * (1 + GOAL) for x in line],
-        color="tab:green",
-        alpha=0.15,
-        label=f"±{GOAL:.0%}",
+    band = ([x * (1 - GOAL) for x in line], [x * (1 + GOAL) for x in line])
+    ax.fill_between(line, *band, color="tab:green", alpha=0.15, label=f"±{GOAL:.0%}")
+    for key, marker in (("analytic", "o"), ("probe", "x")):
+        ax.scatter(meas, [r[key] / MiB for r in rows], marker=marker, s=40, label=key)
+    ax.set(
+        xlim=line,
+        ylim=line,
+        xlabel="measured peak per device (MiB, CPU VmHWM)",
+        ylabel="predicted peak (MiB)",
+        title="demo GPT, full Stepper.step, fresh process each",
     )
-    ax.scatter(meas, [r["analytic"] / MiB for r in rows], marker="o", label="analytic")
-    ax.scatter(meas, [r["probe"] / MiB for r in rows], marker="x", s=60, label="probe")
-    for r, m in zip(rows, meas, strict=True):
-        ax.annotate(
-            r["name"],
-            (m, r["analytic"] / MiB),
-            fontsize=6,
-            xytext=(4, -8),
-            textcoords="offset points",
-        )
-    ax.set_xlabel("measured peak per device (MiB, CPU VmHWM)")
-    ax.set_ylabel("predicted peak (MiB)")
-    ax.set_title("gradstep memory model: demo GPT, full Stepper.step")
-    ax.set_xlim(lo, hi)
-    ax.set_ylim(lo, hi)
     ax.legend(loc="upper left")
     ax.grid(alpha=0.3)
+    ys = list(range(len(rows)))[::-1]
+    ax_err.axvspan(-GOAL * 100, GOAL * 100, color="tab:green", alpha=0.15)
+    ax_err.axvline(0, color="black", lw=1)
+    for key, marker in (("analytic", "o"), ("probe", "x")):
+        errs = [_err(r[key], r["measured"]) * 100 for r in rows]
+        ax_err.scatter(errs, ys, marker=marker, s=40, label=key)
+    ax_err.set_yticks(ys, [r["name"] for r in rows], fontsize=8)
+    ax_err.set(xlabel="prediction error vs measured (%)", title="error per configuration")
+    ax_err.grid(alpha=0.3, axis="x")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=130)
+    fig.savefig(path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -438,6 +439,9 @@ def main(argv: list[str] | None = None) -> int:
     bench, ns = BenchConfig.parse(argv, ap)
     if ns.child:
         print(json.dumps(child(ns.child[0], json.loads(ns.child[1]))))
+        return 0
+    if bench.plot_only:
+        plot(json.loads(OUT.read_text())["rows"], PNG)
         return 0
     if bench.quick:
         bench = replace(bench, pairs=min(bench.pairs, 3), default_malloc=0)
@@ -456,9 +460,9 @@ def main(argv: list[str] | None = None) -> int:
         "planner": checks,
         "seconds": time.perf_counter() - start,
     }
-    (ROOT / "bench" / "out").mkdir(parents=True, exist_ok=True)
-    (ROOT / "bench" / "out" / "memory.json").write_text(json.dumps(out, indent=1))
-    plot(rows, ROOT / "docs" / "memory.png")
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps(out, indent=1))
+    plot(rows, PNG)
     print(f"total {out['seconds']:.0f}s; wrote bench/out/memory.json and docs/memory.png")
     return 0 if all(c["ok"] for c in checks) else 1
 

@@ -205,9 +205,11 @@ class Precision:
         if self.scaler is not None and self._unscaled:
             states = self.scaler._per_optimizer_states
             if overflow:
-                # The skip decision is global (the norm is reduced over every rank and
-                # shard) while GradScaler's found_inf is local to this rank's shard:
-                # make the scaler agree, so every rank backs off the same way.
+                # The skip decision comes from the global norm, GradScaler's found_inf
+                # from the gradients' own values: finite gradients whose norm overflows
+                # (or an inf a backend did not spread to every rank) would leave the scale
+                # where it is on some ranks. Make the scaler agree with the decision, so
+                # every rank backs off the same way.
                 for found_inf in states[id(optimizer)]["found_inf_per_device"].values():
                     found_inf.fill_(1.0)
                 self.scaler.update()
