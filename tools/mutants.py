@@ -49,7 +49,7 @@ PREC = "gradstep/precision.py"
 FSDP = "gradstep/parallel/fsdp2.py"
 LAYOUT = "gradstep/checkpoint/layout.py"
 RUNF = "gradstep_demo/run_folder.py"
-DIST = "tests/parallel/test_distributed.py"
+DIST = "tests/parallel"
 
 MUTATIONS = [
     # ------------------------------------------------------------ the audit's 14
@@ -262,7 +262,7 @@ MUTATIONS = [
         "N8",
         "the optimizer-covers-the-model check removed",
         STEP,
-        [("        _check_optimizer_covers(self._named, optimizer)\n", "")],
+        [("        check_optimizer_covers(self._named, optimizer)\n", "")],
         "tests/test_input_checks.py",
     ),
     m(
@@ -290,6 +290,25 @@ MUTATIONS = [
         RUNF,
         [("elif name in given and value != saved[name]:", "elif False:")],
         "tests/demo/test_run_folder.py",
+    ),
+    m(
+        "N13",
+        "LARS/LAMB under FSDP2: trust ratios from this shard's norms",
+        "gradstep/optim/_shards.py",
+        [("            part = collectives.all_reduce_sum(part, group)\n", "            pass\n")],
+        "tests/optim",
+    ),
+    m(
+        "N14",
+        "OOM on one rank: the others do not split (no agreement)",
+        STEP,
+        [
+            (
+                "            failed = bool(self._strategy.all_reduce_sum(flag).item() > 0)",
+                "            failed = failed",
+            )
+        ],
+        "tests/test_oom.py",
     ),
     m(
         "N12",
