@@ -22,6 +22,7 @@ from gradstep.memory import (
     TransformerShape,
     checkpoint_blocks,
     parse_size,
+    pin_mmap_threshold,
     plan_step,
     probe_memory,
     probe_step_time,
@@ -108,6 +109,10 @@ def plan_run(cfg: TrainConfig, device: torch.device, probe: bool = True) -> Plan
     if cfg.global_batch is None:
         raise ConfigError("planning needs global_batch: the sequences per optimizer step")
     world = parallel.world_size()
+    if device.type == "cpu":
+        # Freed activations must leave the process (glibc would keep them), or the run's
+        # resident peak would outgrow what was planned: on CPU the budget is the RSS.
+        pin_mmap_threshold()
     budget = device_budget(cfg, device)
     per_rank = math.ceil(cfg.global_batch / world)
     shape = shape_of(cfg)
