@@ -80,17 +80,22 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
         )
 
 
-def _run_train(args: argparse.Namespace) -> int:
-    from .train import train  # deferred: `--help` should not pay for importing the trainer
-
+def _config(args: argparse.Namespace) -> tuple[TrainConfig, set[str]]:
+    """The resolved config, and the settings the user set on purpose (flags, config file):
+    a resume checks those against the checkpoint."""
     overrides = {
         f.name: getattr(args, f.name)
         for f in dataclasses.fields(TrainConfig)
         if hasattr(args, f.name)
     }
-    cfg = resolve(args.config, **overrides)
-    # What the user set on purpose: a resume checks these against the checkpoint.
     given = set(overrides) | (set(load_toml(args.config)) if args.config else set())
+    return resolve(args.config, **overrides), given
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    from .train import train  # deferred: `--help` should not pay for importing the trainer
+
+    cfg, given = _config(args)
     train(cfg, given=given)
     return 0
 
@@ -118,12 +123,7 @@ def _run_plan(args: argparse.Namespace) -> int:
 
     from .planning import plan_run
 
-    overrides = {
-        f.name: getattr(args, f.name)
-        for f in dataclasses.fields(TrainConfig)
-        if hasattr(args, f.name)
-    }
-    cfg = resolve(args.config, **overrides)
+    cfg, _ = _config(args)
     owns_group = not parallel.is_initialized()
     env = parallel.init(cfg.device, timeout_s=cfg.collective_timeout)
     try:
