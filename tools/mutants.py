@@ -161,7 +161,7 @@ MUTATIONS = [
     m(
         "P4",
         "--resume on another world size keeps the flag's accum_steps",
-        "gradstep_demo/train.py",
+        RUNF,
         [
             (
                 "else info.accum_steps_for(world)",

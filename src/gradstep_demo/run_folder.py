@@ -46,6 +46,7 @@ __all__ = [
     "locked",
     "merge_settings",
     "prepare",
+    "resumed_settings",
 ]
 
 LOCK_FILE = ".gradstep.lock"
@@ -238,3 +239,22 @@ def merge_settings(
         return TrainConfig(**merged), notes
     except ConfigError as exc:
         raise ConfigError(f"--resume: the resumed settings do not fit: {exc}") from None
+
+
+def resumed_settings(
+    cfg: TrainConfig, info: CheckpointInfo | None, given: frozenset[str], world: int
+) -> tuple[TrainConfig, list[str]]:
+    """What a resumed run runs (the checkpoint's settings, plus what may change)."""
+    if info is None:
+        return cfg, []
+    saved = saved_settings(info)
+    if (saved or {}).get("global_batch", cfg.global_batch) is not None:
+        # An exact global batch is split per rank by the layout: accum_steps plays no part.
+        elastic = (saved or {}).get("accum_steps", cfg.accum_steps)
+        if info.accum_steps is not None:
+            info.accum_steps_for(world)  # the global batch must still divide over the ranks
+    else:
+        elastic = cfg.accum_steps if info.accum_steps is None else info.accum_steps_for(world)
+    if saved is None:  # an older checkpoint: only the global batch is known
+        return dataclasses.replace(cfg, accum_steps=elastic), []
+    return merge_settings(cfg, saved, given, elastic)

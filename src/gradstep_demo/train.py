@@ -308,25 +308,6 @@ def _resume(run: _Run, info: CheckpointInfo) -> None:
         )
 
 
-def _resumed_settings(
-    cfg: TrainConfig, info: CheckpointInfo | None, given: frozenset[str], world: int
-) -> tuple[TrainConfig, list[str]]:
-    """What a resumed run runs (the checkpoint's settings, plus what may change)."""
-    if info is None:
-        return cfg, []
-    saved = run_folder.saved_settings(info)
-    if (saved or {}).get("global_batch", cfg.global_batch) is not None:
-        # An exact global batch is split per rank by the layout: accum_steps plays no part.
-        elastic = (saved or {}).get("accum_steps", cfg.accum_steps)
-        if info.accum_steps is not None:
-            info.accum_steps_for(world)  # the global batch must still divide over the ranks
-    else:
-        elastic = cfg.accum_steps if info.accum_steps is None else info.accum_steps_for(world)
-    if saved is None:  # an older checkpoint: only the global batch is known
-        return dataclasses.replace(cfg, accum_steps=elastic), []
-    return run_folder.merge_settings(cfg, saved, given, elastic)
-
-
 def _note(run: _Run, line: str) -> None:
     if run.is_main:
         tqdm.write(line, file=sys.stderr)
@@ -536,7 +517,7 @@ def _train(
         _on_rank0(lock)
         info = run_folder.find_checkpoint(cfg)
         _on_rank0(lambda: run_folder.prepare(cfg, info))
-        cfg, notes = _resumed_settings(cfg, info, given, env.world_size)
+        cfg, notes = run_folder.resumed_settings(cfg, info, given, env.world_size)
         planned = None
         if cfg.auto_micro_batch:
             planned = _plan(cfg, env)
