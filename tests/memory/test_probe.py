@@ -177,3 +177,14 @@ def test_time_fit_takes_the_fastest_run_and_stays_non_negative():
     assert _fit_seconds([(1, 0, 3.0), (4, 0, 1.0)], []) == (2.0, 0.0)  # slope < 0: flat
     fixed, per_item = _fit_seconds([(1, 0, 0.1), (4, 0, 1.0)], [])  # intercept < 0
     assert fixed == 0.0 and per_item == pytest.approx((0.1 + 4.0) / 17)
+
+
+def test_per_shape_growth_is_corrected_only_when_it_does_not_rise_with_the_size():
+    from gradstep.memory.probe import _per_shape
+
+    # in use before each measured run / before each size's warm-up (its first run)
+    assert _per_shape([100, 160, 210], [50, 150, 200]) == 10  # 10, 10: kernel caches
+    assert _per_shape([100, 171, 228], [50, 160, 220]) == 8  # 11, 8: the smaller
+    assert _per_shape([100, 150, 240], [50, 130, 200]) == 0  # 20, 40: heap retention
+    assert _per_shape([100, 150], [50, 140]) == 0  # one growth: cannot tell
+    assert _per_shape([100, 150, 200], [None, None, None]) == 0  # no warm-ups

@@ -301,6 +301,23 @@ def _fsdp_unsharded(shape: TransformerShape, b: _Bytes, reduces: bool) -> int:
     return (root + 2 * shape.block_params) * b.unsharded + grads
 
 
+def _model_states(
+    shape: TransformerShape, b: _Bytes, world: int, optimizer: str, foreach: bool
+) -> tuple[int, int, int, int]:
+    """(params, grads, optimizer state, optimizer-step temporaries) on this device.
+
+    ``world`` > 1: FSDP2 shards, per tensor, dim 0 padded to a multiple of ``world``.
+    Temporaries: foreach makes one parameter-sized temporary for the whole list; a loop
+    two of the largest tensor (sqrt(v) and its quotient by the bias correction) at a time.
+    """
+    all_shapes = shape.block_tensors() * shape.n_layer + shape.other_tensors()
+    local = _shard_numel(all_shapes, world) if world > 1 else shape.params
+    largest = max(math.prod(s) for s in all_shapes)
+    step_tmp = 0 if optimizer in ("sgd", "none") else (local if foreach else 2 * largest)
+    opt = OPTIMIZER_STATES[optimizer] * local
+    return local * b.param, local * b.param, opt * b.param, step_tmp * b.param
+
+
 def estimate_step_memory(
     shape: TransformerShape,
     micro_batch_size: int,
@@ -337,19 +354,12 @@ def estimate_step_memory(
     e_u = e_c if sharded else e_p
     sizes = _Bytes(param=e_p, compute=e_c, residual=e_u, unsharded=e_u)
     shards = sharded and world_size > 1
-    all_shapes = shape.block_tensors() * shape.n_layer + shape.other_tensors()
-    local = _shard_numel(all_shapes, world_size) if shards else shape.params
     if accum_dtype is None and param_dtype in (torch.float16, torch.bfloat16) and not sharded:
         accum_dtype = torch.float32
     buffered = accum_dtype is not None and accum_dtype != param_dtype and not sharded
-    params = local * e_p
-    grads = local * e_p
+    states = _model_states(shape, sizes, world_size if shards else 1, optimizer, foreach)
+    params, grads, opt, step_tmp = states
     accum = shape.params * _size(accum_dtype) if buffered and accum_dtype else 0
-    opt = OPTIMIZER_STATES[optimizer] * local * e_p
-    # foreach: one parameter-sized temporary for the whole list; a loop: two of the largest
-    # tensor (sqrt(v) and its quotient by the bias correction) at a time.
-    largest = max(math.prod(s) for s in all_shapes)
-    step_tmp = 0 if optimizer in ("sgd", "none") else (local if foreach else 2 * largest) * e_p
     acts, per_item = _activations(shape, sizes, micro_batch_size, activation_checkpointing)
     g_bwd = _grads_in_backward(
         shape,

@@ -29,8 +29,9 @@ __all__ = [
 ]
 
 CHECKPOINT_FACTOR = 4 / 3
-"""Step time with checkpointing / without: backward costs about two forwards, so one
-recomputed forward adds a third (measured on the demo model: see bench/memory.py)."""
+"""Step time with checkpointing / without when nothing is measured: backward costs about
+two forwards, so one recomputed forward adds a third. An upper estimate: the demo model
+on CPU measured 1.15 (bench/memory.py), its backward costing more than two forwards."""
 
 _TIE = 1e-9
 

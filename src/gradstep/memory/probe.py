@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import itertools
 import math
 import resource
 import sys
@@ -198,7 +199,7 @@ class ProbeResult:
     """``increments`` (peak minus bytes in use before each run) or ``peaks``: see _fit_mode."""
     per_shape_bytes: int = 0
     """CPU: what each further distinct micro-batch shape (a short last micro-batch) adds for
-    good (compiled kernels); ``fixed_bytes`` already includes one shape. See _fit_bytes."""
+    good (compiled kernels); ``fixed_bytes`` already includes one shape. See _per_shape."""
 
     def predict(self, b: int) -> int:
         """Predicted peak bytes of ``run(b)``."""
@@ -270,17 +271,43 @@ def _fit_mode(fit: str | None, dev: torch.device) -> str:
     return "increments" if _is_cuda(dev) else "peaks"
 
 
+def _per_shape(befores: list[int], warm_befores: list[int | None]) -> float:
+    """Memory each new shape leaves behind for good, measured, or 0.
+
+    On CPU the first run of a shape compiles and caches kernels (oneDNN with bf16: 7-11 MiB
+    per shape on the test machine; ~0 with fp32), so every larger size also carries the
+    shapes before it, which a line through the peaks would charge to the items (x3 the
+    demo's bf16 per-item cost). The warm-up of a size is that first run: in-use bytes after
+    it minus before it. The first size is left out (it also pays one-time costs). Growth
+    that rises with the size is not a per-shape constant but heap arenas keeping freed
+    memory (glibc's default malloc: +21, +41 MiB for the fp32 demo), and is not corrected;
+    otherwise the smallest growth is used (the smaller correction, the safer prediction).
+    """
+    growth = [
+        after - before
+        for after, before in list(zip(befores, warm_befores, strict=True))[1:]
+        if before is not None
+    ]
+    if len(growth) < 2 or min(growth) <= 0:
+        return 0.0
+    if any(later > 1.1 * earlier for earlier, later in itertools.pairwise(growth)):
+        return 0.0
+    return float(min(growth))
+
+
 def _fit_bytes(
-    points: list[tuple[int, int, float]], befores: list[int], baseline: int, mode: str
+    points: list[tuple[int, int, float]],
+    befores: list[int],
+    warm_befores: list[int | None],
+    baseline: int,
+    mode: str,
 ) -> tuple[float, float, float]:
     """(fixed, per item, per shape) from the measured points (sizes ascending, distinct).
 
-    ``peaks`` with three or more sizes fits ``peak = F + J*k + a*b``, ``k`` the number of
-    shapes run so far: on CPU each new shape leaves compiled kernels behind for good (~7
-    MiB per shape with oneDNN's bf16 kernels), which a plain line would charge to the items
-    (x3 the per-item cost of the demo's bf16 probe). A training run pays for its own one
-    shape: the fixed cost returned is ``F + J``. Where the fit finds no positive ``J`` (or
-    no positive slope with it), the plain line.
+    ``peaks``: the line through ``peak_k - k * per_shape`` (``k`` = shapes run before size
+    ``k``; see :func:`_per_shape`); the fixed cost includes one shape, as a training run
+    with one micro-batch shape pays. ``increments``: the line through ``peak - in use
+    before``, fixed = in use before the first + the intercept.
     """
     xs = [p[0] for p in points]
     if len(set(xs)) < 2:
@@ -290,17 +317,9 @@ def _fit_bytes(
     if mode == "increments":
         fixed, slope = _line(xs, [p[1] - before for p, before in zip(points, befores, strict=True)])
         return befores[0] + fixed, slope, 0.0
-    ys = [float(p[1]) for p in points]
-    if len(xs) >= 3:
-        design = torch.tensor(
-            [[1.0, k + 1.0, float(x)] for k, x in enumerate(xs)], dtype=torch.float64
-        )
-        sol = torch.linalg.lstsq(design, torch.tensor(ys, dtype=torch.float64)[:, None]).solution
-        f, per_shape, slope = (float(v) for v in sol[:, 0])
-        if per_shape > 0 and slope > 0:
-            return f + per_shape, slope, per_shape
-    fixed, slope = _line(xs, ys)
-    return fixed, slope, 0.0
+    per_shape = _per_shape(befores, warm_befores)
+    fixed, slope = _line(xs, [p[1] - k * per_shape for k, p in enumerate(points)])
+    return fixed, slope, per_shape
 
 
 def _fit_seconds(
@@ -380,6 +399,7 @@ def probe_memory(
     warmups: list[tuple[int, int, float]] = []
     points: list[tuple[int, int, float]] = []
     befores: list[int] = []
+    warm_befores: list[int | None] = []
     skipped: list[int] = []
     for i, b in enumerate(order):
         known = [*warmups, *points]  # every peak seen so far is evidence for the next size
@@ -391,14 +411,17 @@ def probe_memory(
         if not fits:
             skipped = order[i:]
             break
+        warm_before = None
         if mode == "each" or (mode == "first" and i == 0):
-            warmups.append(_timed_peak(run, b, dev)[0])
+            warm, warm_before = _timed_peak(run, b, dev)
+            warmups.append(warm)
+        warm_befores.append(warm_before)
         point, before = _timed_peak(run, b, dev)
         points.append(point)
         befores.append(before)
     total = time.perf_counter() - start
     # Every size skipped is impossible (the first size always runs: nothing predicts it).
-    fixed, slope, per_shape = _fit_bytes(points, befores, baseline, fit_mode)
+    fixed, slope, per_shape = _fit_bytes(points, befores, warm_befores, baseline, fit_mode)
     t_fixed, t_item = _fit_seconds(points, warmups if mode == "each" else [])
     return ProbeResult(
         fixed_bytes=round(fixed),
