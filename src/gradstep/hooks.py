@@ -28,7 +28,9 @@ The points, in step order:
   :class:`~gradstep.StepStats`.
 
 A step that raises calls no further hook; ``on_step_start`` is then not matched by an
-``on_step_end``, so a hook that keeps per-window state resets it in ``on_step_start``.
+``on_step_end``, so a hook that keeps per-window state resets it in ``on_step_start``. The
+same holds for a window redone after out-of-memory (``on_oom="split"``): it starts again
+with ``on_step_start``, and its micro-batch indices count the halved micro-batches.
 """
 
 from __future__ import annotations
