@@ -13,7 +13,7 @@ from gradstep.parallel import LocalStrategy
 from tests.support.asserts import assert_bitwise_equal, rel_err, snapshot
 from tests.support.batches import collate, make_window
 from tests.support.models import TinyLM
-from tests.support.reference import lm_loss, reference_grads
+from tests.support.reference import failing_loss, lm_loss, reference_grads
 
 WINDOW = [[3, 5], [7], [2, 2, 6]]
 
@@ -146,12 +146,7 @@ def test_a_window_that_raises_leaves_no_gradient_hook_behind():
     stepper = gradstep.Stepper(model, torch.optim.SGD(model.parameters(), lr=0.1), hooks=[rec])
     mbs, _ = make_window(WINDOW, seed=5)
 
-    def fails_second(m, mb, calls=[0]):  # noqa: B006
-        calls[0] += 1
-        if calls[0] == 2:
-            raise RuntimeError("boom")
-        return lm_loss(m, mb)
-
+    fails_second = failing_loss(2, "boom")
     with pytest.raises(RuntimeError, match="boom"):
         stepper.step(mbs, fails_second)
     rec.param_grads = {}

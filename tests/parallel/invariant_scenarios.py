@@ -22,7 +22,7 @@ from torch import nn
 from tests.parallel.scenarios import CollectiveSpy, _full, _local, _name, adamw
 from tests.support.batches import Batch, make_windows
 from tests.support.models import tiny_gpt
-from tests.support.reference import lm_loss
+from tests.support.reference import failing_loss, lm_loss
 
 K = 3  # micro-batches per rank in the sync / norm cases
 K_BF16 = 32  # ... in the bf16 accumulation case: many small partial sums
@@ -276,14 +276,7 @@ def sync_run(rank: int, strategy: str) -> dict[str, Any]:
                 "no_grad": [_name(n) for n, p in model.named_parameters() if p.grad is None],
             }
         )
-    calls = []
-
-    def fails_second(m: nn.Module, mb: Batch) -> Any:
-        calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("micro-batch 2 failed")
-        return lm_loss(m, mb)
-
+    fails_second = failing_loss(2)
     try:
         stepper.step(data[2][rank], fails_second)
         out["error"] = None

@@ -18,7 +18,7 @@ from torch import nn
 
 from tests.support.batches import Batch, concat, make_windows
 from tests.support.models import tiny_gpt
-from tests.support.reference import lm_loss, reference_step
+from tests.support.reference import failing_loss, lm_loss, reference_step
 
 LR = 1e-2
 WEIGHT_DECAY = 0.1
@@ -280,14 +280,7 @@ def raising_window_run(rank: int, strategy: str) -> dict[str, Any]:
     """
     data = make_windows(1, 2, 3, seed=4)[0][rank]
     model, _, stepper, _ = _setup(strategy, None, dtype=torch.float64)
-    calls = []
-
-    def fails_second(m: nn.Module, mb: Batch) -> Any:
-        calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("micro-batch 2 failed")
-        return lm_loss(m, mb)
-
+    fails_second = failing_loss(2)
     try:
         stepper.step(data, fails_second)
         error = None

@@ -21,6 +21,20 @@ def lm_loss(model: nn.Module, mb: Batch) -> gradstep.LossSum:
     return gradstep.token_loss(model(mb["input_ids"]), mb["labels"])
 
 
+def failing_loss(on_call: int, message: str = "micro-batch 2 failed"):  # noqa: ANN201
+    """``lm_loss`` that raises RuntimeError(message) on its ``on_call``-th call (1-based):
+    a window that fails part-way."""
+    calls = []
+
+    def loss(model: nn.Module, mb: Batch) -> gradstep.LossSum:
+        calls.append(1)
+        if len(calls) == on_call:
+            raise RuntimeError(message)
+        return lm_loss(model, mb)
+
+    return loss
+
+
 def mean_token_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
     """Cross-entropy averaged over every non-ignored token of ``batch``."""
     logits = model(batch["input_ids"])
