@@ -100,13 +100,12 @@ class Hooks:
     def __len__(self) -> int:
         return len(self.items)
 
-    @contextlib.contextmanager
     def param_grads(
         self,
         stepper: Stepper,
         targets: Callable[[], Sequence[tuple[str, nn.Parameter, torch.Tensor]]],
         index: int,
-    ) -> Iterator[None]:
+    ) -> contextlib.AbstractContextManager[None]:
         """Lend each parameter's micro-batch gradient to ``on_param_grad`` during one backward.
 
         ``Tensor.register_hook`` on a leaf sees the gradient before autograd adds it to
@@ -116,10 +115,18 @@ class Hooks:
         only when some hook observes gradients.
         """
         calls = self.on_param_grad  # type: ignore[attr-defined]
-        if not calls:
-            yield
-            return
+        if not calls:  # the common case costs no generator per micro-batch
+            return contextlib.nullcontext()
+        return self._lend_grads(stepper, targets, index, calls)
 
+    @staticmethod
+    @contextlib.contextmanager
+    def _lend_grads(
+        stepper: Stepper,
+        targets: Callable[[], Sequence[tuple[str, nn.Parameter, torch.Tensor]]],
+        index: int,
+        calls: tuple,
+    ) -> Iterator[None]:
         def make(name: str, param: nn.Parameter):  # type: ignore[no-untyped-def]
             def seen(grad: torch.Tensor) -> None:
                 for call in calls:
