@@ -10,6 +10,7 @@ The package, one concern per module:
 - :mod:`gradstep.precision`: autocast, fp16 loss scaling, fp32 accumulation buffers;
 - :mod:`gradstep.policies`: clip policies and their registry;
 - :mod:`gradstep.hooks`: observers of the step (``Stepper(..., hooks=[...])``);
+- :mod:`gradstep.gns` and :mod:`gradstep.lr`: the gradient noise scale, LR scaling with the batch;
 - :mod:`gradstep.parallel`: strategies, collectives and setup for DDP / FSDP2;
 - :mod:`gradstep.checkpoint`: atomic, verified, elastic checkpoints;
 - :mod:`gradstep.metrics` and :mod:`gradstep.report`: per-step records, plots.
@@ -19,8 +20,10 @@ from . import checkpoint, metrics, optim, parallel, policies
 from ._version import __version__
 from .checkpoint import Checkpointer, CheckpointError, CheckpointInfo, elastic_accum_steps
 from .errors import GradstepError, UnsupportedSetup
+from .gns import GradientNoiseScale
 from .hooks import StepHook
 from .loss import LossSum, token_loss
+from .lr import scale_lr
 from .metrics import MetricsLogger
 from .parallel import Strategy
 from .policies import (
@@ -49,6 +52,7 @@ __all__ = [
     "ClipPolicy",
     "ClipResult",
     "ClipValue",
+    "GradientNoiseScale",
     "GradientView",
     "GradstepError",
     "LossSum",
@@ -68,6 +72,7 @@ __all__ = [
     "optim",
     "parallel",
     "policies",
+    "scale_lr",
     "token_loss",
     "windows",
 ]

@@ -1,0 +1,39 @@
+"""Learning-rate scaling with the batch size.
+
+When the batch changes (a batch-size ramp, more ranks), the learning rate tuned for one
+batch no longer fits: SGD keeps the same update per item with the linear rule (Goyal et
+al. 2017), Adam-type optimizers keep the gradient noise per update with the square-root
+rule (Malladi et al. 2022, OLMo-core's batch-size warm-up). Which holds for a given run is
+an empirical question; ``"none"`` keeps the learning rate as it is.
+"""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["LR_SCALING", "scale_lr"]
+
+LR_SCALING = ("none", "linear", "sqrt")
+
+
+def scale_lr(lr: float, batch: float, base_batch: float, rule: str) -> float:
+    """``lr`` (tuned for ``base_batch``) for a step of ``batch``: ``rule`` is one of
+    ``none`` (unchanged), ``linear`` (x batch/base_batch), ``sqrt`` (x sqrt(batch/base_batch)).
+
+    ``batch`` and ``base_batch`` are in the same unit (items, sequences or micro-batches).
+    """
+    if rule not in LR_SCALING:
+        raise ValueError(f"scale_lr: rule must be one of {', '.join(LR_SCALING)}; got {rule!r}")
+    for name, value in (("batch", batch), ("base_batch", base_batch)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"scale_lr: {name} must be a positive number, got {value!r}")
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"scale_lr: {name} must be a finite number > 0, got {value!r}")
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr):
+        raise ValueError(f"scale_lr: lr must be a finite number, got {lr!r}")
+    ratio = batch / base_batch
+    if rule == "linear":
+        return lr * ratio
+    if rule == "sqrt":
+        return lr * math.sqrt(ratio)
+    return float(lr)
