@@ -20,6 +20,7 @@ from typing import Any
 
 from gradstep._validate import check_choice
 from gradstep.errors import GradstepError
+from gradstep.lr import LR_SCALING
 from gradstep.parallel import STRATEGIES
 from gradstep.policies import parse_clip, spec_help
 from gradstep.precision import PRECISIONS as _PRECISION_DTYPES
@@ -42,6 +43,7 @@ __all__ = [
 PRECISIONS = tuple(_PRECISION_DTYPES)
 DEVICES = ("auto", "cpu", "cuda", "mps")
 OPTIMIZERS = ("adamw", "sgd", "lars", "lamb")
+LR_SCALINGS = LR_SCALING
 RESUME_AUTO = "auto"  # bare `--resume`: the run folder's checkpoints/
 AUTO = "auto"  # --micro-batch-size auto
 
@@ -83,6 +85,20 @@ class TrainConfig:
         "memory per device for --micro-batch-size auto and gradstep plan, e.g. 1.5GiB or "
         "800MB (default: the device's free memory)",
     )
+    batch_ramp: str | None = _f(
+        None,
+        "grow the batch during training: START:STEPS (accumulation steps from START to "
+        "--accum-steps over STEPS optimizer steps) or gns (double them whenever the measured "
+        "noise scale exceeds the batch); the LR schedule then runs in sequences",
+    )
+    lr_scaling: str = _f(
+        "none",
+        "rescale the LR to the batch in use, relative to --accum-steps: none, linear (SGD) "
+        "or sqrt (Adam)",
+        choices=LR_SCALINGS,
+    )
+    gns: bool = _f(False, "measure the gradient noise scale (gns_b_simple in metrics.jsonl)")
+    gns_beta: float = _f(0.99, "EMA decay of the noise-scale estimates, in [0, 1)")
     activation_checkpointing: bool = _f(
         False, "recompute each transformer block in backward instead of keeping activations"
     )
@@ -107,8 +123,12 @@ class TrainConfig:
     lr: float = _f(3e-3, "peak learning rate (AdamW)")
     min_lr: float = _f(3e-4, "learning rate at the end of the cosine decay")
     weight_decay: float = _f(0.1, "AdamW weight decay on matrices and embeddings")
-    warmup: int = _f(20, "linear warmup steps")
-    max_steps: int = _f(150, "optimizer steps (windows) to run")
+    warmup: int = _f(20, "linear warmup steps (full-batch steps, with --batch-ramp)")
+    max_steps: int = _f(
+        150,
+        "optimizer steps (windows) to run; with --batch-ramp the run's length in full-batch "
+        "steps: it trains on as many sequences, in more, smaller steps",
+    )
     seed: int = _f(0, "seed for initialisation, data order and sampling")
     # logging and outputs
     out: str = _f("runs/demo", "run folder for config.json, metrics.jsonl, summary.json")
@@ -187,6 +207,9 @@ class TrainConfig:
         check_choice("precision", self.precision, PRECISIONS, error=ConfigError)
         check_choice("strategy", self.strategy, STRATEGIES, error=ConfigError)
         check_choice("optimizer", self.optimizer, OPTIMIZERS, error=ConfigError)
+        check_choice("lr_scaling", self.lr_scaling, LR_SCALINGS, error=ConfigError)
+        if not 0.0 <= self.gns_beta < 1.0:
+            raise ConfigError(f"gns_beta must be in [0, 1), got {self.gns_beta}")
         kind, colon, index = self.device.partition(":")
         if kind not in DEVICES or (colon and not (index.isdigit() and kind in ("cuda", "cpu"))):
             raise ConfigError(
@@ -208,6 +231,8 @@ class TrainConfig:
             )
         if self.global_batch is not None and self.global_batch < 1:
             raise ConfigError(f"global_batch must be >= 1, got {self.global_batch}")
+        if self.batch_ramp is not None:
+            self._validate_ramp()
         if self.memory_budget is not None:
             from gradstep.memory import parse_size
 
@@ -215,6 +240,30 @@ class TrainConfig:
                 parse_size(self.memory_budget)
             except ValueError as exc:
                 raise ConfigError(f"memory_budget: {exc}") from None
+
+    def _validate_ramp(self) -> None:
+        from .schedule import parse_ramp
+
+        try:
+            kind, start, _ = parse_ramp(self.batch_ramp)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if self.global_batch is not None:
+            raise ConfigError(
+                "batch_ramp grows --accum-steps; it cannot be combined with global_batch"
+            )
+        if start > self.accum_steps:
+            raise ConfigError(
+                f"batch_ramp START ({start}) must be <= accum_steps ({self.accum_steps}): the "
+                "ramp grows to --accum-steps"
+            )
+        if kind == "gns" and self.accum_steps < 2:
+            raise ConfigError("batch_ramp gns needs accum_steps >= 2: there is nothing to grow")
+
+    @property
+    def measures_gns(self) -> bool:
+        """--gns, or implied by --batch-ramp gns."""
+        return self.gns or self.batch_ramp == "gns"
 
     @property
     def auto_micro_batch(self) -> bool:

@@ -248,6 +248,12 @@ def resumed_settings(
     if info is None:
         return cfg, []
     saved = saved_settings(info)
+    if (saved or {}).get("batch_ramp") is not None and info.world_size != world:
+        raise ConfigError(
+            f"this run ramps its batch (batch_ramp={saved['batch_ramp']!r}) and was saved on "
+            f"{info.world_size} rank(s): resume it on {info.world_size}, not {world} (a ramp's "
+            "micro-batches per rank do not rescale)"
+        )
     if (saved or {}).get("global_batch", cfg.global_batch) is not None:
         # An exact global batch is split per rank by the layout: accum_steps plays no part.
         elastic = (saved or {}).get("accum_steps", cfg.accum_steps)

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from gradstep import LossSum, Stepper, StepStats, parallel, token_loss
+from gradstep import GradientNoiseScale, LossSum, Stepper, StepStats, parallel, token_loss
 from gradstep.checkpoint import Checkpointer, CheckpointInfo
 from gradstep.memory import checkpoint_blocks
 from gradstep.metrics import FINISHED_FILE, MetricsLogger
@@ -46,31 +46,12 @@ from .batching import Layout, layout_for, windows_of
 from .config import ConfigError, TrainConfig
 from .data import Batch, Corpus, DataError, TrainBatches, load_corpus, validation_batches
 from .model import GPT, GPTConfig, generate
+from .schedule import BatchRamp, LRSchedule, WarmupCosine, ramp_windows
 
 __all__ = ["LMLoss", "WarmupCosine", "evaluate", "train"]
 
 SAMPLE_PROMPT = b"def "
 TRAIN_LOSS_WINDOW = 10  # final train loss = token-weighted mean over the last N steps
-
-
-@dataclass(frozen=True)
-class WarmupCosine:
-    """LR multiplier for ``LambdaLR``: linear warmup, then cosine decay to ``min_lr``.
-
-    A pure function of the step (and a picklable object, not a lambda) so the schedule is
-    reproducible after a resume and survives ``LambdaLR.state_dict()``. Warmup starts at
-    ``1 / warmup`` rather than 0 so the first step is not wasted.
-    """
-
-    warmup: int
-    max_steps: int
-    min_ratio: float
-
-    def __call__(self, step: int) -> float:
-        if step < self.warmup:
-            return (step + 1) / self.warmup
-        progress = min(1.0, (step - self.warmup) / max(1, self.max_steps - self.warmup))
-        return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 @dataclass(frozen=True)
@@ -172,6 +153,19 @@ class _Run:
     start: int = 0
     """Steps already taken: the step of the checkpoint resumed from."""
     checkpointer: Checkpointer | None = None
+    schedule: LRSchedule | None = None
+    ramp: BatchRamp | None = None
+    gns: GradientNoiseScale | None = None
+
+    @property
+    def budget(self) -> int:
+        """Micro-batches per rank the run trains on (ramped runs end on it)."""
+        return self.cfg.max_steps * self.accum_steps
+
+    def finished(self, steps: int) -> bool:
+        if self.ramp is None:
+            return steps >= self.cfg.max_steps
+        return self.progress.micro_batches >= self.budget
 
 
 @dataclass
@@ -180,6 +174,8 @@ class _Progress:
 
     initial_val_loss: float = math.nan
     tokens: int = 0
+    micro_batches: int = 0
+    """Micro-batches per rank consumed by the steps so far (skipped ones included)."""
     step_time: float = 0.0
     recent: list[tuple[float, int]] = field(default_factory=list)
 
@@ -212,13 +208,19 @@ def _setup(
         checkpoint_blocks(model)  # before sharding, as FSDP2 expects
     model = parallel.prepare_model(model, cfg.strategy, cfg.precision)
     optimizer = build_optimizer(model, cfg)  # after sharding: FSDP2 steps its shards
-    schedule = WarmupCosine(cfg.warmup, cfg.max_steps, cfg.min_lr / cfg.lr)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    shape = WarmupCosine(cfg.warmup, cfg.max_steps, cfg.min_lr / cfg.lr)
+    schedule = LRSchedule(shape, cfg.lr, layout.micro_batches, cfg.lr_scaling)
     clip = clip_policies(cfg.clip, cfg.spike_guard, model)  # agc: output layer excluded
+    gns = GradientNoiseScale(cfg.gns_beta) if cfg.measures_gns else None
     # A planned micro-batch is a prediction: if it is wrong, split it rather than crash.
     on_oom = "split" if planned else "raise"
     stepper = Stepper(
-        model, optimizer, scheduler, clip=clip, precision=cfg.precision, on_oom=on_oom
+        model,
+        optimizer,
+        clip=clip,
+        precision=cfg.precision,
+        on_oom=on_oom,
+        hooks=[gns] if gns is not None else None,
     )
     train_iter = TrainBatches(
         corpus.train, cfg.seq_len, layout.stream_rows, cfg.seed, rank=rank, world_size=world
@@ -247,7 +249,11 @@ def _setup(
         corpus,
         layout.micro_batches,
         layout,
+        schedule=schedule,
+        gns=gns,
     )
+    if cfg.batch_ramp is not None:
+        run.ramp = BatchRamp.from_spec(cfg.batch_ramp, layout.micro_batches, world)
     if info is not None:
         _resume(run, info)
     if cfg.save_every or info is not None:
@@ -282,10 +288,11 @@ def _stateful(run: _Run) -> dict[str, Any]:
         "config": _Settings(run.cfg),
         "model": run.model,
         "optimizer": stepper.optimizer,
-        "scheduler": stepper.scheduler,
+        "scheduler": run.schedule,
         "stepper": stepper,
         "data": run.train_iter,
         "progress": run.progress,
+        **({"ramp": run.ramp} if run.ramp is not None else {}),
     }
 
 
@@ -335,6 +342,25 @@ def _progress(stats: StepStats, tokens_per_s: float, stepper: Stepper, steps: in
     }
 
 
+def _windows(run: _Run) -> Iterator[list[Batch]]:
+    """The run's remaining windows: fixed ones, or a ramp's growing ones."""
+    if run.ramp is None:
+        todo = max(0, run.cfg.max_steps - run.start)
+        return itertools.islice(windows_of(run.train_iter, run.layout), todo)
+    left = lambda: run.budget - run.progress.micro_batches  # noqa: E731
+    return ramp_windows(run.train_iter, run.ramp, run.start, left)
+
+
+def _extra(run: _Run) -> dict[str, Any]:
+    """Record fields beyond StepStats: the plan's prediction, the noise scale."""
+    extra: dict[str, Any] = {}
+    if run.planned_peak_mb is not None:
+        extra["planned_peak_mb"] = run.planned_peak_mb
+    if run.gns is not None:
+        extra["gns_b_simple"] = run.gns.b_simple
+    return extra
+
+
 def _loop(run: _Run, logger: MetricsLogger) -> dict[str, Any]:
     """The training loop: one window -> one ``stepper.step`` -> one metrics record."""
     cfg, done = run.cfg, run.progress
@@ -342,34 +368,37 @@ def _loop(run: _Run, logger: MetricsLogger) -> dict[str, Any]:
         done.initial_val_loss = evaluate(run.model, run.val, run.device)
         tqdm.write(f"step 0: val_loss {done.initial_val_loss:.4f}", file=sys.stderr)
     val_loss = done.initial_val_loss
-    bar = tqdm(
-        total=cfg.max_steps, initial=run.start, unit="step", dynamic_ncols=True, disable=None
-    )
-    todo = max(0, cfg.max_steps - run.start)
-    steps = itertools.islice(windows_of(run.train_iter, run.layout), todo)
+    total = None if run.ramp is not None else cfg.max_steps  # a ramp's step count is open
+    bar = tqdm(total=total, initial=run.start, unit="step", dynamic_ncols=True, disable=None)
     n = saved = run.start
     loss_fn = LMLoss(run.device)
-    for n, window in enumerate(steps, start=run.start + 1):
+    for n, window in enumerate(_windows(run), start=run.start + 1):
+        k = len(window)
+        run.schedule.apply(run.stepper.optimizer, k)
         t0 = time.perf_counter()
         stats = run.stepper.step(window, loss_fn)
         elapsed = max(time.perf_counter() - t0, 1e-9)
+        run.schedule.advance(k, taken=not stats.skipped)
+        done.micro_batches += k
+        if run.ramp is not None and run.gns is not None:  # gns: sizes the next window
+            run.ramp.observe(n - 1, run.gns.b_simple, stats.items, run.gns.measured_steps)
         done.tokens, done.step_time = done.tokens + stats.items, done.step_time + elapsed
         done.recent = [*done.recent[-(TRAIN_LOSS_WINDOW - 1) :], (stats.loss, stats.items)]
+        last = run.finished(n)
         measured = None
-        if n == cfg.max_steps or (cfg.eval_every and n % cfg.eval_every == 0):
+        if last or (cfg.eval_every and n % cfg.eval_every == 0):
             val_loss = measured = evaluate(run.model, run.val, run.device)
             tqdm.write(f"step {n}: val_loss {val_loss:.4f}", file=sys.stderr)
-        extra = {} if run.planned_peak_mb is None else {"planned_peak_mb": run.planned_peak_mb}
-        logger.log_step(stats, elapsed, val_loss=measured, **extra)  # flushed: read live
+        logger.log_step(stats, elapsed, val_loss=measured, **_extra(run))
         if cfg.save_every and n % cfg.save_every == 0 and run.checkpointer is not None:
             saved = _save(run, n)
         bar.update(1)
-        if n % cfg.log_every == 0 or n == cfg.max_steps:
+        if n % cfg.log_every == 0 or last:
             progress = _progress(stats, done.tokens / done.step_time, run.stepper, n)
             bar.set_postfix(progress)
             if bar.disable:  # no TTY (CI, pipes): a plain line instead of a bar
                 line = " ".join(f"{k} {v}" for k, v in progress.items())
-                print(f"step {n}/{cfg.max_steps} {line}", file=sys.stderr)
+                print(f"step {n}/{total or '?'} {line}", file=sys.stderr)
     bar.close()
     if run.checkpointer is not None and (saved != n or n == run.start):
         _save(run, n)  # the final checkpoint (also when a resume found nothing left to do)
@@ -533,7 +562,7 @@ def _train(
             run.planned_peak_mb = planned.plan.predicted_peak_bytes / 2**20
         for line in notes:
             _note(run, line)
-        if run.start >= cfg.max_steps:
+        if run.finished(run.start):
             _note(
                 run,
                 f"the run already finished: the checkpoint is at step {run.start} and "
