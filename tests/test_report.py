@@ -96,6 +96,22 @@ def test_figures_hold_the_logged_series(tmp_path: Path) -> None:
         np.testing.assert_array_equal(line.get_xdata(), xs)
         np.testing.assert_array_equal(ydata(line), [r[field] for r in rows])
 
+    batch = lines_by_label(figs["batch"])
+    assert set(batch) == {"r1 batch (items)"}  # no noise scale logged: no line for it
+    np.testing.assert_array_equal(ydata(batch["r1 batch (items)"]), [r["items"] for r in rows])
+
+
+def test_batch_plot_draws_the_noise_scale_where_it_was_measured(tmp_path: Path) -> None:
+    rows = synthetic_records()
+    for i, row in enumerate(rows):
+        row["gns_b_simple"] = None if i < 2 else 50.0 * i
+    figs = build_figures([load_run(write_run(tmp_path / "g", rows))])
+    lines = lines_by_label(figs["batch"])
+    noise = ydata(lines["g B_simple"])
+    assert np.isnan(noise[:2]).all()  # not measurable yet: not drawn
+    np.testing.assert_array_equal(noise[2:], [50.0 * i for i in range(2, 8)])
+    assert figs["batch"].axes[0].get_yscale() == "log"
+
 
 def test_report_writes_pngs_and_self_contained_html(tmp_path: Path) -> None:
     run = write_run(tmp_path / "run", synthetic_records())

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 __all__ = ["PLOTS", "ReportError", "RunMetrics", "build_figures", "load_run", "write_report"]
 
-PLOTS = ("loss", "grad_norm", "clip_coef", "lr", "tokens_per_s", "memory")
+PLOTS = ("loss", "grad_norm", "clip_coef", "lr", "tokens_per_s", "memory", "batch")
 _TITLES = {
     "loss": "Loss (token-weighted mean per step)",
     "grad_norm": "Global gradient norm (log scale)",
@@ -47,6 +47,7 @@ _TITLES = {
     "lr": "Learning rate",
     "tokens_per_s": "Throughput (tokens/s)",
     "memory": "Peak memory (MiB): measured, and the plan's prediction",
+    "batch": "Batch in use (items per step) and the gradient noise scale B_simple",
 }
 
 
@@ -166,6 +167,18 @@ def _plot_memory(ax: Axes, run: RunMetrics, color: str) -> None:
     ax.set_ylabel("MiB")
 
 
+def _plot_batch(ax: Axes, run: RunMetrics, color: str) -> None:
+    """Where B_simple lies above the batch, a larger batch would still cut the number of
+    steps; below it, more items per step mostly average out noise that is already small."""
+    batch = _finite(run.series("items"), positive=True)
+    ax.plot(run.steps, batch, color=color, label=f"{run.name} batch (items)")
+    noise = _finite(run.series("gns_b_simple"), positive=True)
+    if any(v == v for v in noise):
+        ax.plot(run.steps, noise, color=color, ls="--", label=f"{run.name} B_simple")
+    ax.set_yscale("log")
+    ax.set_ylabel("items")
+
+
 _PLOTTERS = {
     "loss": _plot_loss,
     "grad_norm": _plot_grad_norm,
@@ -173,6 +186,7 @@ _PLOTTERS = {
     "lr": _plot_simple("lr", "learning rate"),
     "tokens_per_s": _plot_simple("tokens_per_s", "tokens/s"),
     "memory": _plot_memory,
+    "batch": _plot_batch,
 }
 
 

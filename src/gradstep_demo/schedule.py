@@ -68,11 +68,14 @@ class LRSchedule:
     lr: float
     base_micro_batches: int
     scaling: str = "none"
+    world: int = 1
     trained: int = 0
-    """Micro-batches (per rank) of the steps taken so far: the clock, in micro-batches."""
+    """Micro-batches, over all ranks, of the steps taken so far: the clock. Counted over
+    all ranks so that a resume on another world size (same global batch) keeps it."""
 
     def lr_for(self, micro_batches: int) -> float:
-        clock = self.trained / self.base_micro_batches
+        """The LR of a step of ``micro_batches`` per rank."""
+        clock = self.trained / (self.base_micro_batches * self.world)
         peak = scale_lr(self.lr, micro_batches, self.base_micro_batches, self.scaling)
         return peak * self.shape(clock)
 
@@ -85,7 +88,7 @@ class LRSchedule:
     def advance(self, micro_batches: int, taken: bool) -> None:
         """After a step: a skipped step trained on nothing and does not move the clock."""
         if taken:
-            self.trained += micro_batches
+            self.trained += micro_batches * self.world
 
     def state_dict(self) -> dict[str, Any]:
         return {"trained": self.trained}

@@ -209,7 +209,7 @@ def _setup(
     model = parallel.prepare_model(model, cfg.strategy, cfg.precision)
     optimizer = build_optimizer(model, cfg)  # after sharding: FSDP2 steps its shards
     shape = WarmupCosine(cfg.warmup, cfg.max_steps, cfg.min_lr / cfg.lr)
-    schedule = LRSchedule(shape, cfg.lr, layout.micro_batches, cfg.lr_scaling)
+    schedule = LRSchedule(shape, cfg.lr, layout.micro_batches, cfg.lr_scaling, world)
     clip = clip_policies(cfg.clip, cfg.spike_guard, model)  # agc: output layer excluded
     gns = GradientNoiseScale(cfg.gns_beta) if cfg.measures_gns else None
     # A planned micro-batch is a prediction: if it is wrong, split it rather than crash.

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import gradstep
-
 from gradstep_demo.cli import main
 from gradstep_demo.config import ConfigError, TrainConfig
 from gradstep_demo.schedule import GNS_PATIENCE, BatchRamp, LRSchedule, WarmupCosine, parse_ramp
