@@ -17,7 +17,7 @@ cost of measuring the gradient noise scale.
     .venv/bin/python bench/batch_size.py
     .venv/bin/python bench/batch_size.py --budget 20 --pairs 10   # quick
 
-Writes ``bench/out/batch_size.md``, ``.json`` and ``.png``. Not a test: nothing is asserted.
+Writes ``bench/out/batch_size.md``, ``.json`` and ``.png`` (also ``docs/batch-size.png``). Not a test: nothing is asserted.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from gradstep_demo.model import GPT, GPTConfig
 from gradstep_demo.train import LMLoss
 
 OUT = Path(__file__).resolve().parent / "out"
+DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 
 @dataclass(frozen=True)
@@ -193,6 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     result["target_val_loss"] = target
     result["training"] = training_table(results, target)
     plot(results, OUT / "batch_size.png")
+    plot(results, DOCS / "batch-size.png")
     md += [
         f"## 1. demo, d_model {cfg.d_model} x {cfg.n_layer} layers, budget {cfg.budget} full "
         f"steps of {cfg.accum_steps} x {cfg.micro_batch_size} x {cfg.seq_len} bytes; target "

@@ -141,3 +141,17 @@ def test_ramped_run_records_and_resumes_exactly(
     assert [[r[k] for k in keys] for r in resumed] == [[r[k] for k in keys] for r in rows]
     summary = json.loads((cut / "summary.json").read_text())
     assert summary["steps"] == len(rows)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "lars", "lamb"])
+def test_every_optimizer_follows_the_ramp_and_its_lr_scaling(tmp_path: Path, optimizer: str):
+    data = str(text_corpus(tmp_path / "data"))
+    args = [*RAMP, "--data", data, "--optimizer", optimizer, "--batch-ramp", "1:3"]
+    args += ["--lr-scaling", "linear", "--max-steps", "3", "--sample-tokens", "0"]
+    assert main(["train", *args, "--out", str(tmp_path / "o")]) == 0
+    rows = read_jsonl(tmp_path / "o" / "metrics.jsonl")
+    shape, clock = WarmupCosine(1, 3, 3e-4 / 3e-3), 0.0
+    assert [r["micro_batches"] for r in rows][:3] == [1, 2, 3]
+    for r in rows:
+        assert r["lr"] == pytest.approx(3e-3 * r["micro_batches"] / 4 * shape(clock))
+        clock += r["micro_batches"] / 4
