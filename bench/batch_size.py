@@ -17,7 +17,8 @@ cost of measuring the gradient noise scale.
     .venv/bin/python bench/batch_size.py
     .venv/bin/python bench/batch_size.py --budget 20 --pairs 10   # quick
 
-Writes ``bench/out/batch_size.md``, ``.json`` and ``.png`` (also ``docs/batch-size.png``). Not a test: nothing is asserted.
+Writes ``bench/out/batch_size.md``, ``.json`` and ``.png`` (also ``docs/batch-size.png``).
+Not a test: nothing is asserted.
 """
 
 from __future__ import annotations

@@ -314,8 +314,41 @@ MUTATIONS = [
         "N12",
         "resuming a finished run trains and rewrites its files",
         "gradstep_demo/train.py",
-        [("if run.start >= cfg.max_steps:", "if False:")],
+        [("        if run.finished(run.start):", "        if False:")],
         "tests/demo/test_run_folder.py",
+    ),
+    m(
+        "N15",
+        "noise scale under fp16: the loss scale left in the micro-batch norms",
+        "gradstep/gns.py",
+        [("sq / stepper.loss_scale_factor**2", "sq")],
+        "tests/test_gns.py",
+    ),
+    m(
+        "N16",
+        "noise scale on several ranks: this rank's micro-batch norms only",
+        "gradstep/gns.py",
+        [("stepper.strategy.all_reduce_sum(local).unbind()", "local.unbind()")],
+        "tests/test_gns.py",
+    ),
+    m(
+        "N17",
+        "noise scale: the squared micro-batch sizes left out of both estimates",
+        "gradstep/gns.py",
+        [("        self._n_sq_sum = self._n_sq_sum + n * n\n", "        self._n_sq_sum = 0.0\n")],
+        "tests/test_gns.py",
+    ),
+    m(
+        "N18",
+        "batch ramp: the LR schedule keyed on optimizer steps, not sequences",
+        "gradstep_demo/schedule.py",
+        [
+            (
+                "            self.trained += micro_batches * self.world",
+                "            self.trained += self.base_micro_batches * self.world",
+            )
+        ],
+        "tests/demo/test_schedule.py",
     ),
 ]
 
