@@ -8,21 +8,37 @@ once, by the true global item count.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 
-class LossSum(NamedTuple):
-    """Sum of per-item losses and the number of items that produced it.
+@dataclass(frozen=True, eq=False)
+class LossSum:
+    """Sum of per-item losses and the number of items that produced it, plus auxiliary terms.
 
     ``total`` is a 0-dim tensor that carries grad; ``count`` is an int (or 0-dim integer
     tensor) >= 0: tokens whose label is not ignored, or samples.
+
+    ``aux`` maps names to 0-dim tensors that carry grad: per-micro-batch terms (e.g. a MoE
+    router's load-balancing loss, already times its coefficient) whose contribution to the
+    step is their MEAN over every micro-batch of the window on every rank, while
+    ``total / count`` stays the item-weighted mean. The step's gradient is that of
+    ``sum(total) / sum(count) + mean(aux)``; weighting it needs the window's item count
+    before the first backward: ``stepper.step(window, loss_fn, count=fn)``.
+
+    Unpacks as ``total, count = loss`` (the auxiliary terms stay in ``loss.aux``).
     """
 
     total: torch.Tensor
     count: int | torch.Tensor
+    aux: Mapping[str, torch.Tensor] = field(default_factory=dict)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.total, self.count))
 
 
 def token_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> LossSum:
@@ -61,6 +77,14 @@ def check_loss_sum(out: object) -> LossSum:
         )
         raise TypeError(f"loss_fn must return gradstep.LossSum(total, count), got {kind}.{hint}")
     total, count = out
+    for name, term in out.aux.items():
+        if not isinstance(name, str) or not isinstance(term, torch.Tensor) or term.dim() != 0:
+            raise TypeError(
+                f"LossSum.aux must map names (str) to 0-dim tensors, got {name!r}: "
+                f"{type(term).__name__}"
+            )
+        if not term.requires_grad:
+            raise ValueError(f"LossSum.aux[{name!r}] does not require grad: it adds nothing")
     if not isinstance(total, torch.Tensor) or total.dim() != 0:
         raise TypeError("LossSum.total must be a 0-dim tensor (the SUM of per-item losses)")
     if not total.requires_grad:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -34,9 +35,10 @@ from .memory.split import (
     too_large,
     too_large_error,
 )
-from .parallel import Strategy, strategy_for, window_length_error
+from .parallel import Strategy, strategy_for
 from .policies import ClipNorm, ClipPolicy, GradientView, as_policies
 from .precision import Precision
+from .tally import CountPlan, Tally, Window, plan_counts
 from .windows import mark_last, windows
 
 __all__ = ["LossFn", "StepStats", "Stepper", "windows"]
@@ -46,7 +48,7 @@ _DEFAULT_CLIP = object()
 ON_OOM = ("raise", "split")
 
 
-class _WindowOOM(Exception):
+class WindowOOM(Exception):
     """Some rank ran out of memory in this window: every rank drops it and splits."""
 
 
@@ -74,21 +76,9 @@ class StepStats:
     """Per clip policy: name, threshold used, whether it acted."""
     oom_splits: int = 0
     """Halvings of the micro-batches this step needed after out-of-memory (on_oom="split")."""
-
-
-@dataclass
-class _Window:
-    """The window's totals over every rank, read in the step's one host sync."""
-
-    loss_sum: float
-    items: int
-    micro_batches: int
-    raw_norm: float
-    """Global norm of the summed (not yet normalised) gradient."""
-
-    @property
-    def loss(self) -> float:
-        return self.loss_sum / self.items if self.items else math.nan
+    aux: dict[str, float] = field(default_factory=dict)
+    """Each ``LossSum.aux`` term's mean over the window's micro-batches on every rank (not
+    part of ``loss``, the item-weighted mean of the loss sums)."""
 
 
 @dataclass
@@ -179,6 +169,7 @@ class Stepper:
         self.skipped_steps = 0
         self.clipped_steps = 0
         self.skip_reasons: Counter[str] = Counter()
+        self._warned: set[str] = set()
 
     @property
     def clip(self) -> list[ClipPolicy]:
@@ -228,8 +219,26 @@ class Stepper:
         """The float32 accumulation buffers of low-precision parameters, or None."""
         return self._precision.accumulator
 
-    def step(self, micro_batches: Iterable[Any], loss_fn: LossFn) -> StepStats:
-        """Run one window of micro-batches and take (or skip) one optimizer step."""
+    def step(
+        self,
+        micro_batches: Iterable[Any],
+        loss_fn: LossFn,
+        count: Callable[[Any], int] | None = None,
+    ) -> StepStats:
+        """Run one window of micro-batches and take (or skip) one optimizer step.
+
+        ``count(micro_batch) -> int``: its items, the count ``loss_fn`` will return, asked
+        for every micro-batch before the first forward (one collective). Needed only by
+        ``LossSum.aux`` terms, which are weighted by the window's global item count.
+        """
+        if count is not None and not callable(count):
+            raise TypeError(f"count must be None or a callable, got {type(count).__name__}")
+        if not self.model.training:
+            self._warn_once(
+                "eval",
+                "Stepper.step: the model is in eval mode (dropout and other train-only layers "
+                "are off; from_pretrained returns a model in eval mode): call model.train()",
+            )
         if isinstance(micro_batches, (dict, torch.Tensor, tuple, str, bytes)):
             # A tuple is refused too: (inputs, targets) is the usual shape of ONE batch, and
             # iterating it would run the inputs and the targets as two micro-batches.
@@ -249,9 +258,9 @@ class Stepper:
         splits = 0
         while True:
             try:
-                stats = self._step(micro_batches, loss_fn)
+                stats = self._step(micro_batches, loss_fn, count)
                 break
-            except _WindowOOM:
+            except WindowOOM:
                 self._drop_window()
                 # Raised on every rank together: a rank that can still shrink its own
                 # micro-batches keeps the others' windows the same length.
@@ -276,15 +285,24 @@ class Stepper:
         self.optimizer.zero_grad(set_to_none=True)
         self._strategy.discard_partial_grads()
 
-    def _step(self, micro_batches: Iterable[Any], loss_fn: LossFn) -> StepStats:
+    def _step(
+        self, micro_batches: Iterable[Any], loss_fn: LossFn, count: Callable | None
+    ) -> StepStats:
         self.optimizer.zero_grad(set_to_none=True)
         for call in self.hooks.on_step_start:
             call(self)
-        totals, n = self._accumulate(micro_batches, loss_fn)
+        plan = None
+        if count is not None:
+            micro_batches = list(micro_batches)
+            plan = plan_counts(micro_batches, count, self._strategy)
+        tally, n = self._accumulate(micro_batches, loss_fn, plan)
+        reduced, local_items = tally.reduce(self._strategy, n)
         self._precision.unscale(self.optimizer)
         named_grads = self._precision.named_grads(self._named)
         grads = [g for _, _, g in named_grads]
-        window = self._read_window(totals, self._strategy.total_norm(grads, self._norm_type), n)
+        raw_norm = self._strategy.total_norm(grads, self._norm_type)
+        window = tally.read(reduced, local_items, raw_norm, n, self.world_size)
+        self._warn_traps(window)
         if window.items == 0:
             return self._skip(window, "empty window: 0 items (every label ignored)", math.nan)
         if not grads and not self._strategy.distributed and self._named:
@@ -334,12 +352,10 @@ class Stepper:
         return self._stats(window, norm, decision, lr=lr, post_clip_norm=view.norm)
 
     def _accumulate(
-        self, micro_batches: Iterable[Any], loss_fn: LossFn
-    ) -> tuple[torch.Tensor, int]:
+        self, micro_batches: Iterable[Any], loss_fn: LossFn, plan: CountPlan | None
+    ) -> tuple[Tally, int]:
         """Forward and backward every micro-batch; sync gradients only on the last."""
-        loss_sum: Any = 0.0
-        items: Any = 0
-        negative: Any = 0
+        tally = Tally(plan)
         n = 0
         split = self.on_oom == "split"
         guard = self._out_of_memory_agreed if split else contextlib.nullcontext
@@ -349,18 +365,14 @@ class Stepper:
                 with self._strategy.sync(is_last or self.sync_each_micro_batch):
                     with guard(), self._precision.autocast():
                         loss = check_loss_sum(loss_fn(self.model, mb))
-                    # Kept on the loss's device: no host sync until the window's end.
-                    loss_sum = loss_sum + loss.total.detach().to(torch.float64)
-                    items = items + loss.count
-                    if isinstance(loss.count, torch.Tensor):
-                        negative = negative + (loss.count < 0)
+                    backprop = tally.add(loss)  # the loss sum (+ weighted aux terms)
                     with guard(), self.hooks.param_grads(self, self._hook_targets, n - 1):
-                        self._precision.backward(loss.total, loss.count, self._mean_over_ranks)
+                        self._precision.backward(backprop, loss.count, self._mean_over_ranks)
                 for call in self.hooks.on_micro_batch_end:
                     call(self, n - 1, is_last, loss)
         if n == 0:
             raise ValueError("micro_batches is empty: a window needs at least one micro-batch")
-        return self._reduce_totals(loss_sum, items, negative, n), n
+        return tally, n
 
     @contextlib.contextmanager
     def _out_of_memory_agreed(self) -> Iterator[None]:
@@ -369,7 +381,7 @@ class Stepper:
         failed = False
         try:
             yield
-        except _WindowOOM:
+        except WindowOOM:
             raise
         except Exception as exc:
             if not is_out_of_memory(exc):
@@ -378,7 +390,7 @@ class Stepper:
         self._agree(failed)
 
     def _agree(self, failed: bool) -> None:
-        """Raise _WindowOOM on every rank when any rank ran out of memory.
+        """Raise WindowOOM on every rank when any rank ran out of memory.
 
         Every agreement point is the same one-number all-reduce: after each forward, after
         each backward, and (where forwards communicate: FSDP2's all-gathers) before each
@@ -389,7 +401,7 @@ class Stepper:
             flag = torch.tensor([float(failed)], dtype=torch.float64)
             failed = bool(self._strategy.all_reduce_sum(flag).item() > 0)
         if failed:
-            raise _WindowOOM
+            raise WindowOOM
 
     @contextlib.contextmanager
     def _agreement_before_forwards(self) -> Iterator[None]:
@@ -409,33 +421,26 @@ class Stepper:
         local = torch.as_tensor(count, dtype=torch.float64).reshape(1).cpu()
         return float(self._strategy.all_reduce_sum(local)) / self.world_size
 
-    def _reduce_totals(self, loss_sum: Any, items: Any, negative: Any, n: int) -> torch.Tensor:
-        """The one collective of the window: global loss sum, item count and window checks.
+    def _warn_traps(self, window: Window) -> None:
+        """Silent traps that do not stop the step: said once per Stepper."""
+        if not math.isfinite(window.loss) and window.items and math.isfinite(window.raw_norm):
+            self._warn_once(
+                "loss",
+                f"Stepper.step: the window's loss is {window.loss} but its gradient is finite: "
+                "the loss sum includes a non-finite term that carries no gradient (e.g. a "
+                "masked position's logit); the step is taken",
+            )
+        if self.world_size > 1 and window.local_items == 0 and window.items > 0:
+            self._warn_once(
+                "count",
+                "Stepper.step: every micro-batch of this rank had LossSum.count 0 (every "
+                "label ignored?): this rank contributed nothing to the step",
+            )
 
-        Issued after the last backward and read later, together with the norm, so the host
-        waits for the device once per step. Under DDP a window-length mismatch still pairs
-        each rank's single gradient all-reduce, so it is caught when read; strategies whose
-        forward communicates check before the first forward.
-        """
-        dev = loss_sum.device
-        local = torch.stack(
-            [
-                torch.as_tensor(v, dtype=torch.float64, device=dev)
-                for v in (loss_sum, items, negative, float(n), float(n * n))
-            ]
-        )
-        return self._strategy.all_reduce_sum(local)
-
-    def _read_window(self, totals: torch.Tensor, raw_norm: torch.Tensor, n: int) -> _Window:
-        """The step's one host sync: reduced totals and the un-normalised gradient norm."""
-        norm = raw_norm.reshape(1).to(totals.device, torch.float64)
-        loss, count, neg, n_sum, n2_sum, raw = torch.cat([totals, norm]).tolist()
-        error = window_length_error(n, n_sum, n2_sum, self.world_size)
-        if error is not None:
-            raise error
-        if neg > 0:
-            raise ValueError("LossSum.count must be >= 0; loss_fn returned a negative count")
-        return _Window(loss_sum=loss, items=int(count), micro_batches=n, raw_norm=raw)
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, UserWarning, stacklevel=3)
 
     def _apply_policies(self, view: GradientView) -> _Decision:
         decision = _Decision()
@@ -463,7 +468,7 @@ class Stepper:
 
     def _skip(
         self,
-        window: _Window,
+        window: Window,
         reason: str,
         norm: float,
         decision: _Decision | None = None,
@@ -479,7 +484,7 @@ class Stepper:
 
     def _stats(
         self,
-        window: _Window,
+        window: Window,
         norm: float,
         decision: _Decision,
         *,
@@ -489,6 +494,7 @@ class Stepper:
     ) -> StepStats:
         """The one place a StepStats is built, for taken and skipped steps alike."""
         return StepStats(
+            aux=window.aux,
             loss=window.loss,
             items=window.items,
             micro_batches=window.micro_batches,
@@ -547,14 +553,6 @@ class Stepper:
         for obj, sd in zip(objects, [*clip_states, *hook_states], strict=True):
             if hasattr(obj, "load_state_dict"):
                 obj.load_state_dict(sd)
-
-
-def _check_count(what: str, arg: str, saved: list, mine: list) -> None:
-    if len(saved) != len(mine):
-        raise ValueError(
-            f"Stepper.load_state_dict: checkpoint has {len(saved)} {what}, this Stepper has "
-            f"{len(mine)}; build the Stepper with the same {arg}="
-        )
 
 
 def _state_of(obj: Any) -> dict[str, Any]:

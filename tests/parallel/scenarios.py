@@ -135,7 +135,7 @@ class CollectiveSpy:
             setattr(module, name, fn)
 
 
-_TOTALS = ("all_reduce", 5, torch.float64)  # the Stepper's one all-reduce of the window
+_TOTALS = ("all_reduce", 6, torch.float64)  # the Stepper's one all-reduce of the window
 
 
 def _is_backend(caller: str) -> bool:

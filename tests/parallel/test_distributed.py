@@ -159,11 +159,11 @@ def test_every_collective_of_a_step_is_accounted_for(runs: dict) -> None:
                 backend, own = sc.split_collectives(step["collectives"])
                 own_small = Counter(c[:3] for c in own if not c[0].startswith("funcol."))
                 assert (
-                    own_small == {("all_reduce", 5, f64): 1}
+                    own_small == {("all_reduce", 6, f64): 1}
                     if strategy == "ddp"
                     else {
                         ("all_reduce", 2, f64): 1,
-                        ("all_reduce", 5, f64): 1,
+                        ("all_reduce", 6, f64): 1,
                     }
                 ), (where, own)
                 dtensor = [c for c in own if c[0].startswith("funcol.")]
