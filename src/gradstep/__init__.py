@@ -11,6 +11,7 @@ The package, one concern per module:
 - :mod:`gradstep.policies`: clip policies and their registry;
 - :mod:`gradstep.hooks`: observers of the step (``Stepper(..., hooks=[...])``);
 - :mod:`gradstep.gns` and :mod:`gradstep.lr`: the gradient noise scale, LR scaling with the batch;
+- :mod:`gradstep.hf`: Hugging Face causal LMs (``causal_lm_loss``), imported on first use;
 - :mod:`gradstep.parallel`: strategies, collectives and setup for DDP / FSDP2;
 - :mod:`gradstep.checkpoint`: atomic, verified, elastic checkpoints;
 - :mod:`gradstep.metrics` and :mod:`gradstep.report`: per-step records, plots.
@@ -79,10 +80,10 @@ __all__ = [
 
 
 def __getattr__(name: str):  # type: ignore[no-untyped-def]
-    # ``gradstep.distributed`` is the deprecated name of ``gradstep.parallel``; imported on
-    # first use so that it stays out of the curated namespace.
-    if name == "distributed":
+    # ``gradstep.distributed`` is the deprecated name of ``gradstep.parallel``; ``gradstep.hf``
+    # needs the optional transformers. Both are imported on first use.
+    if name in ("distributed", "hf"):
         import importlib
 
-        return importlib.import_module(".distributed", __name__)
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'gradstep' has no attribute {name!r}")

@@ -30,6 +30,9 @@ _METAVARS = {
     "device": "DEVICE",
     "micro_batch_size": "N|auto",
     "memory_budget": "SIZE",
+    "model": "gpt|hf:PATH",
+    "lora": "R",
+    "aux_loss_coef": "COEF",
 }
 
 

@@ -61,6 +61,18 @@ class TrainConfig:
     """Everything ``gradstep train`` needs. Defaults give a ~2 minute CPU demo run."""
 
     # model
+    model: str = _f(
+        "gpt",
+        "gpt (the demo's byte-level GPT, shaped by --n-layer/--n-head/--d-model) or hf:PATH: "
+        "a Hugging Face causal LM built with random init from a local config.json or "
+        "save_pretrained folder (never downloaded; vocab_size >= 256)",
+    )
+    lora: int = _f(0, "with hf:PATH: PEFT LoRA adapters of rank R, base frozen (0: none)")
+    aux_loss_coef: float | None = _f(
+        None,
+        "with hf:PATH of a mixture of experts: turn on its router load-balancing loss with "
+        "this coefficient (a mean over micro-batches, gradstep.hf)",
+    )
     n_layer: int = _f(4, "transformer blocks")
     n_head: int = _f(4, "attention heads per block")
     d_model: int = _f(160, "model width (divisible by n_head, even head size for RoPE)")
@@ -194,6 +206,7 @@ class TrainConfig:
         if not 0 <= self.seed < 2**32:
             raise ConfigError(f"seed must be in [0, 2**32), got {self.seed}")
         self._validate_batch()
+        self._validate_model()
         if not self.out.strip():
             raise ConfigError("out must name a run folder, got an empty path")
         if not self.collective_timeout > 0:
@@ -240,6 +253,26 @@ class TrainConfig:
                 parse_size(self.memory_budget)
             except ValueError as exc:
                 raise ConfigError(f"memory_budget: {exc}") from None
+
+    def _validate_model(self) -> None:
+        if self.model != "gpt" and not (self.model.startswith("hf:") and self.model[3:].strip()):
+            raise ConfigError(f"model must be gpt or hf:PATH, got {self.model!r}")
+        if self.lora < 0:
+            raise ConfigError(f"lora must be >= 0 (0: no adapters), got {self.lora}")
+        if self.aux_loss_coef is not None and not self.aux_loss_coef >= 0:
+            raise ConfigError(f"aux_loss_coef must be >= 0, got {self.aux_loss_coef}")
+        if not self.is_hf:
+            for name in ("lora", "aux_loss_coef"):
+                if getattr(self, name):
+                    raise ConfigError(f"{name} needs model hf:PATH, got model {self.model!r}")
+            return
+        if self.auto_micro_batch or self.activation_checkpointing:
+            what = "micro_batch_size auto" if self.auto_micro_batch else "activation_checkpointing"
+            raise ConfigError(f"{what} plans the demo GPT only; it cannot be used with hf:PATH")
+
+    @property
+    def is_hf(self) -> bool:
+        return self.model.startswith("hf:")
 
     def _validate_ramp(self) -> None:
         from .schedule import parse_ramp

@@ -41,16 +41,15 @@ from gradstep.metrics import FINISHED_FILE, MetricsLogger
 from gradstep.metrics import jsonable as _jsonable
 from gradstep.policies import clip_policies
 
-from . import planning, run_folder
+from . import planning, run_folder, summary
 from .batching import Layout, layout_for, windows_of
 from .config import ConfigError, TrainConfig
 from .data import Batch, Corpus, DataError, TrainBatches, load_corpus, validation_batches
-from .model import GPT, GPTConfig, generate
+from .hf_model import HFLoss, build_model, count_batch
 from .schedule import BatchRamp, LRSchedule, WarmupCosine, ramp_windows
 
 __all__ = ["LMLoss", "WarmupCosine", "evaluate", "train"]
 
-SAMPLE_PROMPT = b"def "
 TRAIN_LOSS_WINDOW = 10  # final train loss = token-weighted mean over the last N steps
 
 
@@ -65,8 +64,18 @@ class LMLoss:
         return token_loss(logits, batch["labels"].to(self.device, non_blocking=True))
 
 
+def loss_for(cfg: TrainConfig, device: torch.device) -> tuple[Callable, Callable | None]:
+    """(loss_fn, count) of the run's model: an HF model's may hold a router aux term."""
+    return (HFLoss(device), count_batch) if cfg.is_hf else (LMLoss(device), None)
+
+
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: Sequence[Batch], device: torch.device) -> float:
+def evaluate(
+    model: nn.Module,
+    batches: Sequence[Batch],
+    device: torch.device,
+    loss_fn: Callable[[nn.Module, Batch], LossSum] | None = None,
+) -> float:
     """Token-weighted mean loss (sum of token losses / token count), summed over ranks.
 
     The same definition as the training loss, so the two curves are comparable; a mean of
@@ -74,10 +83,11 @@ def evaluate(model: nn.Module, batches: Sequence[Batch], device: torch.device) -
     """
     was_training = model.training
     model.eval()
-    loss_fn = LMLoss(device)
+    loss_fn = loss_fn or LMLoss(device)
     sums = torch.zeros(2, dtype=torch.float64, device=device)
     for batch in batches:
-        total, count = loss_fn(model, batch)
+        loss = loss_fn(model, batch)  # only the token-weighted term: aux terms stay out
+        total, count = loss.total, loss.count
         sums += torch.stack([total.double(), torch.as_tensor(count, device=device).double()])
     model.train(was_training)
     total, count = parallel.all_reduce_sum(sums).tolist()
@@ -139,7 +149,7 @@ class _Run:
     world_size: int
     is_main: bool
     """Rank 0: the only process that prints and writes files."""
-    model: GPT
+    model: nn.Module
     stepper: Stepper
     train_iter: TrainBatches
     val: list[Batch]
@@ -194,16 +204,9 @@ def _setup(
     out = Path(cfg.out)
     torch.manual_seed(cfg.seed)
     corpus = load_corpus(cfg.data)
-    model_cfg = GPTConfig(
-        n_layer=cfg.n_layer,
-        n_head=cfg.n_head,
-        d_model=cfg.d_model,
-        max_seq_len=cfg.seq_len,
-        dropout=cfg.dropout,
-    )
     layout = layout_for(cfg, world)
     # Same seed on every rank: DDP and FSDP2 both start from identical weights.
-    model = GPT(model_cfg).to(device)
+    model = build_model(cfg).to(device)
     if cfg.activation_checkpointing:
         checkpoint_blocks(model)  # before sharding, as FSDP2 expects
     model = parallel.prepare_model(model, cfg.strategy, cfg.precision)
@@ -262,6 +265,7 @@ def _setup(
             cfg.keep_checkpoints,
             accum_steps=layout.stream_items_per_window,
             micro_batch_size=layout.stream_rows,
+            trainable_only=cfg.lora > 0,  # the frozen base is rebuilt from the seed
         )
     return run
 
@@ -301,7 +305,7 @@ def _resume(run: _Run, info: CheckpointInfo) -> None:
     stateful = _stateful(run)
     if "config" not in info.manifest["objects"]:
         del stateful["config"]  # a checkpoint from before the settings were saved
-    Checkpointer(info.path.parent).load(info, **stateful)
+    Checkpointer(info.path.parent, trainable_only=run.cfg.lora > 0).load(info, **stateful)
     run.start = info.step
     _note(run, f"resumed from {info.path} (step {info.step})")
     if info.accum_steps is not None and info.world_size != run.world_size:
@@ -364,19 +368,19 @@ def _extra(run: _Run) -> dict[str, Any]:
 def _loop(run: _Run, logger: MetricsLogger) -> dict[str, Any]:
     """The training loop: one window -> one ``stepper.step`` -> one metrics record."""
     cfg, done = run.cfg, run.progress
+    loss_fn, count = loss_for(cfg, run.device)
     if run.start == 0:
-        done.initial_val_loss = evaluate(run.model, run.val, run.device)
+        done.initial_val_loss = evaluate(run.model, run.val, run.device, loss_fn)
         tqdm.write(f"step 0: val_loss {done.initial_val_loss:.4f}", file=sys.stderr)
     val_loss = done.initial_val_loss
     total = None if run.ramp is not None else cfg.max_steps  # a ramp's step count is open
     bar = tqdm(total=total, initial=run.start, unit="step", dynamic_ncols=True, disable=None)
     n = saved = run.start
-    loss_fn = LMLoss(run.device)
     for n, window in enumerate(_windows(run), start=run.start + 1):
         k = len(window)
         run.schedule.apply(run.stepper.optimizer, k)
         t0 = time.perf_counter()
-        stats = run.stepper.step(window, loss_fn)
+        stats = run.stepper.step(window, loss_fn, count=count)
         elapsed = max(time.perf_counter() - t0, 1e-9)
         run.schedule.advance(k, taken=not stats.skipped)
         done.micro_batches += k
@@ -387,7 +391,7 @@ def _loop(run: _Run, logger: MetricsLogger) -> dict[str, Any]:
         last = run.finished(n)
         measured = None
         if last or (cfg.eval_every and n % cfg.eval_every == 0):
-            val_loss = measured = evaluate(run.model, run.val, run.device)
+            val_loss = measured = evaluate(run.model, run.val, run.device, loss_fn)
             tqdm.write(f"step {n}: val_loss {val_loss:.4f}", file=sys.stderr)
         logger.log_step(stats, elapsed, val_loss=measured, **_extra(run))
         if cfg.save_every and n % cfg.save_every == 0 and run.checkpointer is not None:
@@ -413,53 +417,6 @@ def _loop(run: _Run, logger: MetricsLogger) -> dict[str, Any]:
         "train_tokens": done.tokens,
         "train_tokens_per_s": done.tokens / max(done.step_time, 1e-9),
     }
-
-
-def _summary(run: _Run, losses: dict[str, Any], started: float) -> dict[str, Any]:
-    cfg, stepper = run.cfg, run.stepper
-    sample = b""
-    if cfg.sample_tokens:
-        gen = torch.Generator().manual_seed(cfg.seed)
-        # Every rank generates (FSDP2's forward needs them all); the same seed and weights
-        # give the same sample, and rank 0 reports it.
-        sample = generate(
-            parallel.unwrap(run.model), SAMPLE_PROMPT, cfg.sample_tokens, 0.8, 40, gen
-        )
-    layout = run.layout
-    effective = layout.stream_items_per_window * layout.stream_rows * run.world_size
-    return {
-        **losses,
-        "parameters": parallel.unwrap(run.model).num_parameters(),
-        "strategy": cfg.strategy,
-        "world_size": run.world_size,
-        "effective_batch_sequences": effective,
-        "max_tokens_per_step": effective * cfg.seq_len,
-        "mean_tokens_per_step": losses["train_tokens"] / max(losses["steps"], 1),
-        "clipped_steps": stepper.clipped_steps,
-        "skipped_steps": stepper.skipped_steps,
-        "skip_reasons": dict(stepper.skip_reasons),
-        "wall_time_s": time.perf_counter() - started,
-        "corpus": run.corpus.describe(),
-        "sample_prompt": SAMPLE_PROMPT.decode(),
-        "sample": sample.decode("utf-8", errors="replace"),
-    }
-
-
-def _print_summary(summary: dict[str, Any]) -> None:
-    print(
-        f"\n{summary['steps']} steps in {summary['wall_time_s']:.1f}s "
-        f"({summary['train_tokens_per_s']:,.0f} tok/s while stepping), "
-        f"{summary['parameters']:,} parameters\n"
-        f"effective batch: {summary['effective_batch_sequences']} sequences "
-        f"({summary['world_size']} rank(s), strategy {summary['strategy']}), <= "
-        f"{summary['max_tokens_per_step']:,} tokens/step "
-        f"(mean {summary['mean_tokens_per_step']:,.0f} real tokens)\n"
-        f"val loss: {summary['initial_val_loss']:.4f} -> {summary['final_val_loss']:.4f}   "
-        f"train loss (last steps): {summary['final_train_loss']:.4f}\n"
-        f"clipped steps: {summary['clipped_steps']}   skipped steps: {summary['skipped_steps']}"
-    )
-    if summary["sample"]:
-        print(f"--- sample ---\n{summary['sample_prompt']}{summary['sample']}\n--------------")
 
 
 @contextlib.contextmanager
@@ -569,7 +526,7 @@ def _train(
                 f"max_steps is {cfg.max_steps}; nothing to train and nothing was changed "
                 "(pass a larger --max-steps to train on)",
             )
-            return _existing_summary(run.out)
+            return summary.existing(run.out)
         if run.is_main:
             (run.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
             if planned is not None:
@@ -586,13 +543,6 @@ def _plan(cfg: TrainConfig, env: parallel.DistEnv) -> planning.Planned:
             tqdm.write(planned.probe.describe(), file=sys.stderr)
         tqdm.write(planned.plan.table(), file=sys.stderr)
     return planned
-
-
-def _existing_summary(out: Path) -> dict[str, Any]:
-    try:
-        return json.loads((out / "summary.json").read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 def _run_loop(run: _Run, started: float, callbacks: Sequence[Callable]) -> dict[str, Any]:
@@ -612,11 +562,11 @@ def _run_loop(run: _Run, started: float, callbacks: Sequence[Callable]) -> dict[
         (run.out / FINISHED_FILE).unlink(missing_ok=True)  # a resumed run is live again
     with logger:
         losses = _loop(run, logger)
-        summary = _summary(run, losses, started)
+        result = summary.build(run, losses, started)
         if main:
             (run.out / "summary.json").write_text(
-                json.dumps(_jsonable(summary), indent=2, allow_nan=False) + "\n"
+                json.dumps(_jsonable(result), indent=2, allow_nan=False) + "\n"
             )
             logger.finish()
-    _print_summary(summary)
-    return summary
+    summary.show(result)
+    return result

@@ -39,6 +39,7 @@ from .state import (
     local_optim_state,
     optim_problems,
     param_fqns,
+    trainable_state,
     uses_dcp,
 )
 
@@ -144,6 +145,10 @@ class Checkpointer:
             another world size can keep the global batch (:meth:`CheckpointInfo.accum_steps_for`).
         micro_batch_size: items per micro-batch, recorded to report the global batch.
         rng: also save and restore each rank's python/numpy/torch(/CUDA) RNG state.
+        trainable_only: save only the model's trainable parameters (``requires_grad``) and
+            their optimizer state, e.g. a PEFT model's adapters: frozen weights and buffers
+            must then come from elsewhere (rebuilt from the same seed, ``from_pretrained``)
+            before loading. Loading such a checkpoint needs ``trainable_only=True`` too.
 
     ``save(step, **stateful)`` / ``load_latest(**stateful)`` take the same names: one
     ``nn.Module`` (plain, DDP, FSDP2 or compiled), at most one optimizer, and any objects
@@ -159,8 +164,10 @@ class Checkpointer:
         accum_steps: int | None = None,
         micro_batch_size: int | None = None,
         rng: bool = True,
+        trainable_only: bool = False,
     ) -> None:
         self.directory = Path(directory)
+        self.trainable_only = bool(trainable_only)
         self.keep = check_int("keep", keep, 1, error=CheckpointError)
         self.accum_steps = (
             None
@@ -253,19 +260,21 @@ class Checkpointer:
             module = model.obj
             optim = optimizer.obj if optimizer is not None else None
             in_dcp = False
+            only = self.trainable_only
             if uses_dcp(module):
-                in_dcp = dcp_save(tmp, module, optim)
+                in_dcp = dcp_save(tmp, module, optim, only)
                 objects[model.name] = {"kind": "module", "store": "dcp"}
             elif main:
-                aliases = write_tensor_file(
-                    tmp / "model.safetensors", collectives.unwrap(module).state_dict()
-                )
+                state = trainable_state(module) if only else collectives.unwrap(module).state_dict()
+                aliases = write_tensor_file(tmp / "model.safetensors", state)
                 objects[model.name] = {
                     "kind": "module",
                     "store": "file",
                     "file": "model.safetensors",
                     "aliases": aliases,
                 }
+            if only and model.name in objects:
+                objects[model.name]["trainable_only"] = True
             if optimizer is not None and in_dcp:
                 objects[optimizer.name] = {"kind": "optimizer", "store": "dcp"}
             elif optimizer is not None and main:
@@ -371,7 +380,7 @@ class Checkpointer:
             raise CheckpointError("load needs the objects to restore, by the names used in save")
         if not isinstance(checkpoint, CheckpointInfo):
             checkpoint = self.inspect(checkpoint)
-        _restore(checkpoint, stateful, strict, self.rng)
+        _restore(checkpoint, stateful, strict, self.rng, self.trainable_only)
         return checkpoint.step
 
     def inspect(self, folder: str | os.PathLike) -> CheckpointInfo:
@@ -416,7 +425,10 @@ def _check_names(info: CheckpointInfo, stateful: dict[str, Any], strict: bool) -
 
 
 def _prepare_tensors(
-    info: CheckpointInfo, model: NamedObject | None, optimizer: NamedObject | None
+    info: CheckpointInfo,
+    model: NamedObject | None,
+    optimizer: NamedObject | None,
+    trainable_only: bool = False,
 ) -> Callable[[], None]:
     """Read and validate model + optimizer state, modifying nothing; return the loader."""
     if model is None:
@@ -425,9 +437,17 @@ def _prepare_tensors(
     optim = optimizer.obj if optimizer is not None else None
     entries = info.manifest["objects"]
     oentry = entries[optimizer.name] if optimizer is not None else None
+    saved_only = bool(entries[model.name].get("trainable_only", False))
+    if saved_only and not trainable_only:
+        # Loading it as a whole model would keep whatever frozen weights the model has now.
+        raise CheckpointError(
+            f"checkpoint {info.path}: {model.name!r} holds only its trainable parameters "
+            "(saved with trainable_only=True); load it with Checkpointer(..., "
+            "trainable_only=True) into a model whose frozen weights are already in place"
+        )
     if entries[model.name]["store"] == "dcp":
         optim_in_dcp = oentry is not None and oentry["store"] == "dcp"
-        problems, load_model = dcp_prepare(info.path, module, optim, optim_in_dcp)
+        problems, load_model = dcp_prepare(info.path, module, optim, optim_in_dcp, saved_only)
     else:
         problems, load_model = file_prepare(info.path, entries[model.name], module)
     saved_type = oentry.get("type") if oentry is not None else None
@@ -461,14 +481,20 @@ def _prepare_tensors(
     return load
 
 
-def _restore(info: CheckpointInfo, stateful: dict[str, Any], strict: bool, rng: bool) -> None:
+def _restore(
+    info: CheckpointInfo,
+    stateful: dict[str, Any],
+    strict: bool,
+    rng: bool,
+    trainable_only: bool = False,
+) -> None:
     """Read and validate everything first; then load, rolling objects back on a refusal."""
     model, optimizer, others = _classify(stateful)
     _check_names(info, stateful, strict)
     entries, blob = info.manifest["objects"], info.manifest.get("object_tensors")
     tensors = read_tensor_file(info.path / blob["file"], blob["aliases"]) if blob else {}
     states = {name: decode(entries[name]["state"], tensors) for name in others}
-    load_tensors = _prepare_tensors(info, model, optimizer)
+    load_tensors = _prepare_tensors(info, model, optimizer, trainable_only)
     rng_name = rng_file(collectives.rank())
     saved_rng = None
     if rng and rng_name in info.manifest["files"]:

@@ -35,8 +35,27 @@ __all__ = [
     "module_problems",
     "optim_problems",
     "param_fqns",
+    "trainable_state",
     "uses_dcp",
 ]
+
+
+def trainable_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The unwrapped module's ``state_dict`` entries that are trainable parameters
+    (``requires_grad``): what ``Checkpointer(trainable_only=True)`` stores. Buffers and frozen
+    weights come from wherever the base model comes from."""
+    full = collectives.unwrap(module).state_dict(keep_vars=True)
+    return {
+        k: v.detach() for k, v in full.items() if isinstance(v, nn.Parameter) and v.requires_grad
+    }
+
+
+def _options(trainable_only: bool, **extra: Any) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    if trainable_only:  # frozen parameters stay out; loading leaves them (and buffers) alone
+        extra.update(ignore_frozen_params=True, strict=False)
+    return StateDictOptions(**extra)
 
 
 def uses_dcp(model: nn.Module | None) -> bool:
@@ -113,11 +132,14 @@ def load_optim_full(model: nn.Module, optimizer: torch.optim.Optimizer, saved: d
 # ----------------------------------------------------------------------------- validation
 
 
-def expected_shapes(model: nn.Module) -> dict[str, tuple | None]:
+def expected_shapes(model: nn.Module, trainable_only: bool = False) -> dict[str, tuple | None]:
     if uses_dcp(model):
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        state = get_model_state_dict(model)  # DTensor.shape is the global shape
+        # DTensor.shape is the global shape
+        state = get_model_state_dict(model, options=_options(trainable_only))
+    elif trainable_only:
+        state = trainable_state(model)
     else:
         state = collectives.unwrap(model).state_dict()
     return {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in state.items()}
@@ -167,7 +189,12 @@ def optim_problems(saved: Mapping[str, Any], groups: list[list[str]]) -> list[st
 # ----------------------------------------------------------------------------- DCP path
 
 
-def dcp_save(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> bool:
+def dcp_save(
+    folder: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    trainable_only: bool = False,
+) -> bool:
     """Collective save of model (+ optimizer, when it has state) under ``folder/dcp``."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
@@ -176,11 +203,12 @@ def dcp_save(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     # zero-lr step (see the gradstep.checkpoint docstring); its hyperparameters go to the
     # manifest.
     with_optim = optimizer is not None and bool(optimizer.state)
+    options = _options(trainable_only)
     if with_optim:
-        msd, osd = get_state_dict(model, optimizer)
+        msd, osd = get_state_dict(model, optimizer, options=options)
         payload = {"model": msd, "optim": osd}
     else:
-        payload = {"model": get_model_state_dict(model)}
+        payload = {"model": get_model_state_dict(model, options=options)}
     dcp.save(payload, storage_writer=dcp.FileSystemWriter(str(folder / "dcp")))
     return with_optim
 
@@ -195,7 +223,11 @@ def _dcp_load(payload: dict[str, Any], path: str) -> None:
 
 
 def dcp_prepare(
-    folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, optim_in_dcp: bool
+    folder: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    optim_in_dcp: bool,
+    trainable_only: bool = False,
 ) -> tuple[list[str], Callable[[], None]]:
     """Validate a DCP checkpoint against the model; return (problems, loader)."""
     import torch.distributed.checkpoint as dcp
@@ -213,7 +245,8 @@ def dcp_prepare(
         for k, v in meta.items()
         if k.startswith("model.")
     }
-    problems = module_problems(saved, expected_shapes(model))
+    problems = module_problems(saved, expected_shapes(model, trainable_only))
+    options = _options(trainable_only)
     if optimizer is not None and optim_in_dcp:
         n_groups = sum(bool(re.fullmatch(r"optim\.param_groups\.\d+\.params", k)) for k in meta)
         if n_groups != len(optimizer.param_groups):
@@ -224,14 +257,16 @@ def dcp_prepare(
 
     def load() -> None:
         if optimizer is not None and optim_in_dcp:
-            msd, osd = get_state_dict(model, optimizer)
+            msd, osd = get_state_dict(model, optimizer, options=options)
             payload = {"model": msd, "optim": osd}
             _dcp_load(payload, path)
-            set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
+            set_state_dict(
+                model, optimizer, model_state_dict=msd, optim_state_dict=osd, options=options
+            )
         else:
-            payload = {"model": get_model_state_dict(model)}
+            payload = {"model": get_model_state_dict(model, options=options)}
             _dcp_load(payload, path)
-            set_model_state_dict(model, payload["model"])
+            set_model_state_dict(model, payload["model"], options=options)
 
     return problems, load
 
@@ -242,20 +277,24 @@ def dcp_prepare(
 def file_prepare(
     folder: Path, entry: dict, model: nn.Module
 ) -> tuple[list[str], Callable[[], None]]:
-    """Read and validate a single-process (safetensors) module state; return the loader."""
+    """Read and validate a single-process (safetensors) module state; return the loader.
+
+    A ``trainable_only`` entry holds exactly the model's trainable parameters; loading it
+    leaves frozen weights and buffers as they are."""
+    trainable_only = bool(entry.get("trainable_only", False))
     state = read_tensor_file(folder / entry["file"], entry.get("aliases", {}))
     saved = {k: tuple(v.shape) for k, v in state.items()}
-    problems = module_problems(saved, expected_shapes(model))
+    problems = module_problems(saved, expected_shapes(model, trainable_only))
 
     def load() -> None:
         if uses_dcp(model):  # 1 -> N ranks: every rank holds the full tensors; shard them
-            from torch.distributed.checkpoint.state_dict import (
-                StateDictOptions,
-                set_model_state_dict,
-            )
+            from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-            set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+            options = _options(trainable_only, full_state_dict=True)
+            set_model_state_dict(model, state, options=options)
         else:
-            collectives.unwrap(model).load_state_dict(state)
+            # strict=False only for trainable_only: the keys were checked against exactly
+            # the trainable parameters above, so nothing is silently left out.
+            collectives.unwrap(model).load_state_dict(state, strict=not trainable_only)
 
     return problems, load

@@ -14,7 +14,9 @@ from ..parallel import collectives
 from .base import ClipResult, GradientView
 from .registry import register
 
-__all__ = ["AGC", "find_output_layer"]
+__all__ = ["AGC", "ZERO_WEIGHTS", "find_output_layer"]
+
+ZERO_WEIGHTS = ("skip", "eps")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -69,33 +71,46 @@ def _coef_from_norms(
 
 @torch.no_grad()
 def _clip_unitwise(
-    pairs: Sequence[tuple[nn.Parameter, torch.Tensor]], clipping: float, eps: float
+    pairs: Sequence[tuple[nn.Parameter, torch.Tensor]],
+    clipping: float,
+    eps: float,
+    skip_zero: bool = True,
 ) -> int:
     """Clip every unit in place; return how many units were clipped (on all ranks).
 
+    ``skip_zero``: a matrix whose weights are all zero (a zero-initialised LoRA B) has no
+    scale to clip against and is left unclipped. Whether a sharded matrix is all zero needs
+    every shard, so its squared norm joins the one all-reduce.
     One host sync at the end (the count), so on a GPU the loop only queues kernels.
     """
     groups = _shard_groups([p for p, _ in pairs])
     device = _local(pairs[0][1]).device if pairs else torch.device("cpu")
-    count = torch.zeros((), dtype=torch.float64, device=device)
+    mats: list[tuple[torch.Tensor, torch.Tensor]] = []
     whole: list[tuple[torch.Tensor, torch.Tensor]] = []
     for p, g in pairs:
         w, gl = _local(p.detach()), _local(g)
         if p.dim() > 1:
-            coef = _unit_coefs(w, gl, clipping, eps)
-            count += (coef < 1).sum()
-            gl.mul_(coef.to(gl.dtype).view(-1, *([1] * (gl.dim() - 1))))
+            mats.append((w, gl))
         else:
             whole.append((w, gl))
-    # Whole-tensor norms (biases, norm gains, scalars) of sharded tensors need every shard:
-    # one all-reduce of [sum w^2, sum g^2 for each tensor, units clipped so far].
-    sums = [_norm(t).square().to(torch.float64) for wg in whole for t in wg]
-    stacked = torch.stack([*sums, count])
+    mat_coefs = [_unit_coefs(w, gl, clipping, eps) for w, gl in mats]
+    # One all-reduce over the shard groups of: per matrix, sum w^2 and its clipped units;
+    # per whole tensor, sum w^2 and sum g^2.
+    parts = [_norm(w).square().to(torch.float64) for w, _ in mats]
+    parts += [(c < 1).sum().to(torch.float64) for c in mat_coefs]
+    parts += [_norm(t).square().to(torch.float64) for wg in whole for t in wg]
+    stacked = torch.stack(parts) if parts else torch.zeros(0, dtype=torch.float64, device=device)
     for group in groups:
         stacked = collectives.all_reduce_sum(stacked, group)
-    count = stacked[-1]
+    n = len(mats)
+    mat_sq, mat_clipped, whole_sq = stacked[:n], stacked[n : 2 * n], stacked[2 * n :]
+    keep = (mat_sq > 0) if skip_zero else torch.ones_like(mat_sq, dtype=torch.bool)
+    count = (mat_clipped * keep).sum()
+    for (_, gl), coef, kept in zip(mats, mat_coefs, keep, strict=True):
+        coef = torch.where(kept, coef, torch.ones_like(coef))
+        gl.mul_(coef.to(gl.dtype).view(-1, *([1] * (gl.dim() - 1))))
     if whole:
-        norms = stacked[:-1].sqrt().view(-1, 2)
+        norms = whole_sq.sqrt().view(-1, 2)
         coefs = _coef_from_norms(norms[:, 0], norms[:, 1], clipping, eps)
         count = count + (coefs < 1).sum()
         for (_, gl), c in zip(whole, coefs, strict=True):
@@ -117,11 +132,30 @@ class AGC:
     parameters whose gradients accumulate in fp32 buffers (it clips the buffers, before the
     single rounding), through ``ClipContext.named_grads``.
     ``StepStats.policies`` reports ``threshold = clipping`` (a ratio, not a norm).
+
+    ``zero_weights``: what to do with a matrix (>= 2 dims) whose weights are ALL zero, such
+    as a zero-initialised LoRA B, where the ratio has no scale. ``"skip"`` (default): it is
+    not clipped until it has moved away from zero (its first update is left to the
+    optimizer and any global ClipNorm); clipping it against ``eps`` would cap every LoRA B
+    row at ``clipping * eps`` (1e-5 by default) and stall the adapter under SGD. ``"eps"``:
+    the paper's rule, ``max(||W_i||, eps)``, for those too. A zero row inside a non-zero
+    matrix, and zero-initialised biases and gains (one unit each), always use ``eps``.
     """
 
-    def __init__(self, clipping: float = 0.01, eps: float = 1e-3, exclude: Iterable[str] = ()):
+    def __init__(
+        self,
+        clipping: float = 0.01,
+        eps: float = 1e-3,
+        exclude: Iterable[str] = (),
+        zero_weights: str = "skip",
+    ):
         self.clipping = check_positive("clipping", clipping, "AGC")
         self.eps = check_positive("eps", eps, "AGC")
+        if zero_weights not in ZERO_WEIGHTS:
+            raise ValueError(
+                f"AGC: zero_weights must be one of {', '.join(ZERO_WEIGHTS)}, got {zero_weights!r}"
+            )
+        self.zero_weights = zero_weights
         exclude = exclude if isinstance(exclude, str) else list(exclude)  # a generator once
         if isinstance(exclude, str) or not all(isinstance(n, str) for n in exclude):
             raise TypeError(
@@ -132,7 +166,10 @@ class AGC:
         """Units clipped on the last step (over all ranks)."""
 
     def __repr__(self) -> str:
-        return f"AGC(clipping={self.clipping}, eps={self.eps}, exclude={sorted(self.exclude)})"
+        return (
+            f"AGC(clipping={self.clipping}, eps={self.eps}, exclude={sorted(self.exclude)}, "
+            f"zero_weights={self.zero_weights!r})"
+        )
 
     def clip(self, ctx: GradientView) -> ClipResult:
         unknown = self.exclude - {name for name, _ in ctx.params}
@@ -142,7 +179,8 @@ class AGC:
                 "model; use the names of model.named_parameters() (see find_output_layer)"
             )
         pairs = [(p, g) for name, p, g in ctx.named_grads() if name not in self.exclude]
-        self.clipped_units = _clip_unitwise(pairs, self.clipping, self.eps)
+        skip_zero = self.zero_weights == "skip"
+        self.clipped_units = _clip_unitwise(pairs, self.clipping, self.eps, skip_zero)
         acted = self.clipped_units > 0
         return ClipResult(threshold=self.clipping, acted=acted, inplace=acted)
 
@@ -156,6 +194,10 @@ def find_output_layer(model: nn.Module) -> list[str]:
     ``model.named_parameters()`` as the Stepper sees them (a DDP wrapper's ``module.``
     prefix included); a weight tied to the input embedding is reported under its first
     name, e.g. ``embed.weight``, since it is one tensor with one gradient.
+
+    Frozen parameters are left out (AGC only sees trainable ones): a PEFT model's frozen
+    ``lm_head`` gives ``[]``. The layer is found first, then filtered, so a LoRA matrix is
+    never taken for the output layer.
     """
     inner = collectives.unwrap(model)
     layer = None
@@ -175,7 +217,7 @@ def find_output_layer(model: nn.Module) -> list[str]:
             )
         layer = layers[-1]
     wanted = {id(p) for p in layer.parameters()}
-    return [name for name, p in model.named_parameters() if id(p) in wanted]
+    return [name for name, p in model.named_parameters() if id(p) in wanted and p.requires_grad]
 
 
 register(

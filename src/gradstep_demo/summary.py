@@ -1,0 +1,79 @@
+"""The end of a ``gradstep train`` run: ``summary.json`` and the lines printed."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gradstep import parallel
+
+from .hf_model import LogitsOnly
+from .model import generate
+
+__all__ = ["SAMPLE_PROMPT", "build", "existing", "show"]
+
+SAMPLE_PROMPT = b"def "
+
+
+def build(run: Any, losses: dict[str, Any], started: float) -> dict[str, Any]:
+    """The run's ``summary.json``: losses, batch, events, wall time and a sample."""
+    cfg, stepper = run.cfg, run.stepper
+    sample = b""
+    if cfg.sample_tokens:
+        gen = torch.Generator().manual_seed(cfg.seed)
+        # Every rank generates (FSDP2's forward needs them all); the same seed and weights
+        # give the same sample, and rank 0 reports it.
+        model = parallel.unwrap(run.model)
+        sampler = LogitsOnly(model) if cfg.is_hf else model
+        sample = generate(sampler, SAMPLE_PROMPT, cfg.sample_tokens, 0.8, 40, gen)
+    layout = run.layout
+    effective = layout.stream_items_per_window * layout.stream_rows * run.world_size
+    return {
+        **losses,
+        "parameters": sum(p.numel() for p in parallel.unwrap(run.model).parameters()),
+        "trainable_parameters": sum(
+            p.numel() for p in parallel.unwrap(run.model).parameters() if p.requires_grad
+        ),
+        "strategy": cfg.strategy,
+        "world_size": run.world_size,
+        "effective_batch_sequences": effective,
+        "max_tokens_per_step": effective * cfg.seq_len,
+        "mean_tokens_per_step": losses["train_tokens"] / max(losses["steps"], 1),
+        "clipped_steps": stepper.clipped_steps,
+        "skipped_steps": stepper.skipped_steps,
+        "skip_reasons": dict(stepper.skip_reasons),
+        "wall_time_s": time.perf_counter() - started,
+        "corpus": run.corpus.describe(),
+        "sample_prompt": SAMPLE_PROMPT.decode(),
+        "sample": sample.decode("utf-8", errors="replace"),
+    }
+
+
+def show(summary: dict[str, Any]) -> None:
+    """The summary as the few lines printed at the end of a run."""
+    print(
+        f"\n{summary['steps']} steps in {summary['wall_time_s']:.1f}s "
+        f"({summary['train_tokens_per_s']:,.0f} tok/s while stepping), "
+        f"{summary['parameters']:,} parameters\n"
+        f"effective batch: {summary['effective_batch_sequences']} sequences "
+        f"({summary['world_size']} rank(s), strategy {summary['strategy']}), <= "
+        f"{summary['max_tokens_per_step']:,} tokens/step "
+        f"(mean {summary['mean_tokens_per_step']:,.0f} real tokens)\n"
+        f"val loss: {summary['initial_val_loss']:.4f} -> {summary['final_val_loss']:.4f}   "
+        f"train loss (last steps): {summary['final_train_loss']:.4f}\n"
+        f"clipped steps: {summary['clipped_steps']}   skipped steps: {summary['skipped_steps']}"
+    )
+    if summary["sample"]:
+        print(f"--- sample ---\n{summary['sample_prompt']}{summary['sample']}\n--------------")
+
+
+def existing(out: Path) -> dict[str, Any]:
+    """A finished run's summary.json (empty when it has none)."""
+    try:
+        return json.loads((out / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {}
