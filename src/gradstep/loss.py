@@ -65,8 +65,12 @@ def token_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -
     return LossSum(total, count)
 
 
-def check_loss_sum(out: object) -> LossSum:
-    """Validate what a user's ``loss_fn`` returned; raise a clear error otherwise."""
+def check_loss_sum(out: object, count: bool = True) -> LossSum:
+    """Validate what a user's ``loss_fn`` returned; raise a clear error otherwise.
+
+    ``count=False`` leaves ``out.count`` to :func:`check_count`: the Stepper checks per
+    micro-batch what must hold before its backward, and the counts once per window.
+    """
     if not isinstance(out, LossSum):
         kind = type(out).__name__
         hint = (
@@ -76,15 +80,9 @@ def check_loss_sum(out: object) -> LossSum:
             else ""
         )
         raise TypeError(f"loss_fn must return gradstep.LossSum(total, count), got {kind}.{hint}")
-    total, count = out
-    for name, term in out.aux.items():
-        if not isinstance(name, str) or not isinstance(term, torch.Tensor) or term.dim() != 0:
-            raise TypeError(
-                f"LossSum.aux must map names (str) to 0-dim tensors, got {name!r}: "
-                f"{type(term).__name__}"
-            )
-        if not term.requires_grad:
-            raise ValueError(f"LossSum.aux[{name!r}] does not require grad: it adds nothing")
+    total = out.total
+    if out.aux:
+        _check_aux(out.aux)
     if not isinstance(total, torch.Tensor) or total.dim() != 0:
         raise TypeError("LossSum.total must be a 0-dim tensor (the SUM of per-item losses)")
     if not total.requires_grad:
@@ -92,6 +90,25 @@ def check_loss_sum(out: object) -> LossSum:
             "LossSum.total does not require grad: it was computed under torch.no_grad(), "
             "detached, or from no trainable parameter; return the loss sum the model produced"
         )
+    if count:
+        check_count(out.count)
+    return out
+
+
+def _check_aux(aux: Mapping[str, Any]) -> None:
+    for name, term in aux.items():
+        if not isinstance(name, str) or not isinstance(term, torch.Tensor) or term.dim() != 0:
+            raise TypeError(
+                f"LossSum.aux must map names (str) to 0-dim tensors, got {name!r}: "
+                f"{type(term).__name__}"
+            )
+        if not term.requires_grad:
+            raise ValueError(f"LossSum.aux[{name!r}] does not require grad: it adds nothing")
+
+
+def check_count(count: object) -> None:
+    """``LossSum.count``: an int >= 0 or a 0-dim integer tensor (a tensor's sign is checked
+    where it is read, so that a device tensor costs no host sync here)."""
     if isinstance(count, torch.Tensor):
         if count.dim() != 0 or count.is_floating_point() or count.dtype == torch.bool:
             raise TypeError("LossSum.count must be an int or a 0-dim integer tensor")
@@ -99,4 +116,3 @@ def check_loss_sum(out: object) -> LossSum:
         raise TypeError(f"LossSum.count must be an int >= 0, got {type(count).__name__}")
     elif count < 0:
         raise ValueError(f"LossSum.count must be >= 0, got {count}")
-    return out

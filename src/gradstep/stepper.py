@@ -356,6 +356,8 @@ class Stepper:
     ) -> tuple[Tally, int]:
         """Forward and backward every micro-batch; sync gradients only on the last."""
         tally = Tally(plan)
+        if self._nothing_per_micro_batch():
+            return self._accumulate_lean(micro_batches, loss_fn, tally)
         n = 0
         split = self.on_oom == "split"
         guard = self._out_of_memory_agreed if split else contextlib.nullcontext
@@ -364,12 +366,39 @@ class Stepper:
             for n, (is_last, mb) in enumerate(mark_last(micro_batches), start=1):  # noqa: B007
                 with self._strategy.sync(is_last or self.sync_each_micro_batch):
                     with guard(), self._precision.autocast():
-                        loss = check_loss_sum(loss_fn(self.model, mb))
+                        loss = check_loss_sum(loss_fn(self.model, mb), count=False)
                     backprop = tally.add(loss)  # the loss sum (+ weighted aux terms)
                     with guard(), self.hooks.param_grads(self, self._hook_targets, n - 1):
                         self._precision.backward(backprop, loss.count, self._mean_over_ranks)
                 for call in self.hooks.on_micro_batch_end:
                     call(self, n - 1, is_last, loss)
+        if n == 0:
+            raise ValueError("micro_batches is empty: a window needs at least one micro-batch")
+        return tally, n
+
+    def _nothing_per_micro_batch(self) -> bool:
+        """One process, no autocast, no OOM guard, no hook inside the window: then no
+        context needs entering per micro-batch."""
+        hooks = self.hooks
+        return not (
+            self._strategy.distributed
+            or self._precision.dtype is not None
+            or self.on_oom == "split"
+            or hooks.on_param_grad  # type: ignore[attr-defined]
+            or hooks.on_micro_batch_end  # type: ignore[attr-defined]
+        )
+
+    def _accumulate_lean(
+        self, micro_batches: Iterable[Any], loss_fn: LossFn, tally: Tally
+    ) -> tuple[Tally, int]:
+        """:meth:`_accumulate` when :meth:`_nothing_per_micro_batch`: the same steps without
+        the contexts that would do nothing (each costs microseconds per micro-batch, which
+        is what a small model's step is made of)."""
+        n = 0
+        with self._precision.accumulating():
+            for n, mb in enumerate(micro_batches, start=1):  # noqa: B007
+                loss = check_loss_sum(loss_fn(self.model, mb), count=False)
+                self._precision.backward(tally.add(loss), loss.count, self._mean_over_ranks)
         if n == 0:
             raise ValueError("micro_batches is empty: a window needs at least one micro-batch")
         return tally, n

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .loss import LossSum
+from .loss import LossSum, check_count
 from .parallel import window_length_error
 
 __all__ = ["CountPlan", "Tally", "Window", "plan_counts"]
@@ -114,7 +114,12 @@ class Tally:
     def reduce(self, strategy: Any, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(the window's sums over every rank, this rank's item count): one collective."""
         dev = self.totals[0].device
-        counts = torch.stack([torch.as_tensor(c, device=dev) for c in self.counts])
+        for c in self.counts:  # once per window, not between forward and backward
+            check_count(c)
+        if all(isinstance(c, torch.Tensor) for c in self.counts):
+            counts = torch.stack(self.counts).to(dev)
+        else:
+            counts = torch.stack([torch.as_tensor(c, device=dev) for c in self.counts])
         mismatch = torch.zeros((), dtype=torch.float64, device=dev)
         if self.plan is not None:
             want = torch.tensor(self.plan.counts, device=dev)
