@@ -35,6 +35,7 @@ from .memory.split import (
     too_large,
     too_large_error,
 )
+from .norms import EarlyNorm
 from .parallel import Strategy, strategy_for
 from .policies import ClipNorm, ClipPolicy, GradientView, as_policies
 from .precision import Precision
@@ -114,6 +115,11 @@ class Stepper:
             window again; later windows start halved. The update is unchanged (the loss
             is normalised by items). On several ranks every rank splits together.
         split_fn: cuts one micro-batch in two (None when it holds one item).
+        norm_in_backward: take each gradient's norm as soon as it is final in the last
+            micro-batch's backward (:mod:`gradstep.norms`), so that after backward only the
+            multiply remains; the same norm as the pass after backward, to rounding. Used
+            where the strategy supports it (one process, DDP, FSDP2), without fp16 loss
+            scaling and without float32 accumulation buffers; else the pass after backward.
     """
 
     def __init__(
@@ -129,6 +135,7 @@ class Stepper:
         strategy: Strategy | None = None,
         on_oom: str = "raise",
         split_fn: SplitFn | None = None,
+        norm_in_backward: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -159,8 +166,10 @@ class Stepper:
         self.scheduler = scheduler
         self.clip = ClipNorm(1.0) if clip is _DEFAULT_CLIP else clip
         self.sync_each_micro_batch = bool(sync_each_micro_batch)
+        self.norm_in_backward = bool(norm_in_backward)
         self.hooks = Hooks(hooks)
         self._named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self._params = [p for _, p in self._named]
         check_optimizer_covers(self._named, optimizer)
         self._strategy = strategy_for(model) if strategy is None else strategy
         params = [p for _, p in self._named]
@@ -295,12 +304,16 @@ class Stepper:
         if count is not None:
             micro_batches = list(micro_batches)
             plan = plan_counts(micro_batches, count, self._strategy)
-        tally, n = self._accumulate(micro_batches, loss_fn, plan)
+        early = self._early_norm()
+        tally, n = self._accumulate(micro_batches, loss_fn, plan, early)
         reduced, local_items = tally.reduce(self._strategy, n)
         self._precision.unscale(self.optimizer)
         named_grads = self._precision.named_grads(self._named)
         grads = [g for _, _, g in named_grads]
-        raw_norm = self._strategy.total_norm(grads, self._norm_type)
+        if early is not None and early.armed:  # measured in the last backward
+            raw_norm = self._strategy.reduce_norm(early.local(reduced.device), self._norm_type)
+        else:
+            raw_norm = self._strategy.total_norm(grads, self._norm_type)
         window = tally.read(reduced, local_items, raw_norm, n, self.world_size)
         self._warn_traps(window)
         if window.items == 0:
@@ -352,12 +365,16 @@ class Stepper:
         return self._stats(window, norm, decision, lr=lr, post_clip_norm=view.norm)
 
     def _accumulate(
-        self, micro_batches: Iterable[Any], loss_fn: LossFn, plan: CountPlan | None
+        self,
+        micro_batches: Iterable[Any],
+        loss_fn: LossFn,
+        plan: CountPlan | None,
+        early: EarlyNorm | None,
     ) -> tuple[Tally, int]:
         """Forward and backward every micro-batch; sync gradients only on the last."""
         tally = Tally(plan)
         if self._nothing_per_micro_batch():
-            return self._accumulate_lean(micro_batches, loss_fn, tally)
+            return self._accumulate_lean(micro_batches, loss_fn, tally, early)
         n = 0
         split = self.on_oom == "split"
         guard = self._out_of_memory_agreed if split else contextlib.nullcontext
@@ -368,13 +385,34 @@ class Stepper:
                     with guard(), self._precision.autocast():
                         loss = check_loss_sum(loss_fn(self.model, mb), count=False)
                     backprop = tally.add(loss)  # the loss sum (+ weighted aux terms)
-                    with guard(), self.hooks.param_grads(self, self._hook_targets, n - 1):
+                    observed = self.hooks.param_grads(self, self._hook_targets, n - 1)
+                    final = self._final_grads(early if is_last else None)
+                    with guard(), observed, final:
                         self._precision.backward(backprop, loss.count, self._mean_over_ranks)
                 for call in self.hooks.on_micro_batch_end:
                     call(self, n - 1, is_last, loss)
         if n == 0:
             raise ValueError("micro_batches is empty: a window needs at least one micro-batch")
         return tally, n
+
+    def _early_norm(self) -> EarlyNorm | None:
+        """An EarlyNorm when the norm can be taken in the last backward (see __init__)."""
+        if not self.norm_in_backward or not hasattr(self._strategy, "final_grads"):
+            return None
+        if self._precision.scaler is not None or self._precision.accumulator is not None:
+            return None
+        return EarlyNorm(self._norm_type, self._params)
+
+    def _final_grads(self, early: EarlyNorm | None) -> contextlib.AbstractContextManager[None]:
+        """The strategy's hooks that record each final gradient's norm into ``early``."""
+        if early is None:
+            return contextlib.nullcontext()
+        hooks = self._strategy.final_grads(self._params, early.record)  # type: ignore[attr-defined]
+        if hooks is None:  # not possible on this model after all: stop asking
+            self.norm_in_backward = False
+            return contextlib.nullcontext()
+        early.armed = True
+        return hooks
 
     def _nothing_per_micro_batch(self) -> bool:
         """One process, no autocast, no OOM guard, no hook inside the window: then no
@@ -389,16 +427,21 @@ class Stepper:
         )
 
     def _accumulate_lean(
-        self, micro_batches: Iterable[Any], loss_fn: LossFn, tally: Tally
+        self, micro_batches: Iterable[Any], loss_fn: LossFn, tally: Tally, early: Any
     ) -> tuple[Tally, int]:
         """:meth:`_accumulate` when :meth:`_nothing_per_micro_batch`: the same steps without
         the contexts that would do nothing (each costs microseconds per micro-batch, which
         is what a small model's step is made of)."""
         n = 0
+        backward = self._precision.backward
         with self._precision.accumulating():
-            for n, mb in enumerate(micro_batches, start=1):  # noqa: B007
+            for n, (is_last, mb) in enumerate(mark_last(micro_batches), start=1):  # noqa: B007
                 loss = check_loss_sum(loss_fn(self.model, mb), count=False)
-                self._precision.backward(tally.add(loss), loss.count, self._mean_over_ranks)
+                if is_last and early is not None:
+                    with self._final_grads(early):
+                        backward(tally.add(loss), loss.count, self._mean_over_ranks)
+                else:
+                    backward(tally.add(loss), loss.count, self._mean_over_ranks)
         if n == 0:
             raise ValueError("micro_batches is empty: a window needs at least one micro-batch")
         return tally, n

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,6 +30,8 @@ class DDPStrategy(ProcessGroupStrategy):
         self.forward_communicates = bool(
             model.broadcast_buffers and any(True for _ in model.module.buffers())
         )
+        self._hook_installed = False
+        self.recorder: Callable | None = None
 
     @staticmethod
     def detects(model: nn.Module) -> bool:
@@ -44,7 +47,57 @@ class DDPStrategy(ProcessGroupStrategy):
             with self.model.no_sync():  # type: ignore[operator]
                 yield
 
+    def final_grads(self, params: Sequence[nn.Parameter], record: Callable) -> Any:
+        """``record(param, its reduced gradient)`` as each bucket's all-reduce completes,
+        through a communication hook that is DDP's own average-and-all-reduce plus the
+        record. None when the model already has another hook (DDP allows one)."""
+        if not self._hook_installed:
+            try:
+                self.model.register_comm_hook(self, _allreduce_and_record)
+            except RuntimeError:
+                return None  # another comm hook: the norm is measured after backward
+            self._hook_installed = True
+        return self._recording(record)
+
+    @contextlib.contextmanager
+    def _recording(self, record: Callable) -> Iterator[None]:
+        self.recorder = record
+        try:
+            yield
+        finally:
+            self.recorder = None
+
+    def reduce_norm(self, norm: torch.Tensor, norm_type: float) -> torch.Tensor:
+        return norm  # every rank measured the same reduced buckets
+
     def total_norm(self, grads: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
         # After the all-reduce every rank holds the same full gradient: the local norm
         # already is the global one, and reducing it again would count it world_size times.
         return local_norm(grads, norm_type)
+
+
+def _allreduce_and_record(strategy, bucket):  # type: ignore[no-untyped-def]
+    # No annotations: DDP checks them against its own types, and this module's are strings.
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    future = allreduce_hook(strategy.model.process_group, bucket)
+    record = strategy.recorder
+    if record is None:
+        return future
+
+    def done(fut):  # type: ignore[no-untyped-def]
+        reduced = fut.value()
+        # The bucket is the concatenation of its parameters' gradients, in this order.
+        offset = 0
+        for param in bucket.parameters():
+            n = param.numel()
+            record(param, reduced[offset : offset + n])
+            offset += n
+        if offset != reduced.numel():  # a layout this code does not know: say so, loudly
+            raise RuntimeError(
+                f"DDP bucket {bucket.index()} holds {reduced.numel()} values, its parameters "
+                f"{offset}; build the Stepper with norm_in_backward=False"
+            )
+        return reduced
+
+    return future.then(done)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -47,6 +49,24 @@ class FSDP2Strategy(ProcessGroupStrategy):
         finally:
             if not enabled:
                 self.model.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+    def final_grads(self, params: Sequence[nn.Parameter], record: Callable) -> Any:
+        """``record(param, local shard)`` once the reduce-scattered shard of a parameter's
+        gradient is in place: FSDP2 runs post-accumulate-grad hooks of the sharded
+        parameters right after assigning (or accumulating into) their gradient."""
+        from ..norms import post_accumulate_hooks
+
+        return post_accumulate_hooks(params, record, _to_local)
+
+    def reduce_norm(self, norm: torch.Tensor, norm_type: float) -> torch.Tensor:
+        """The global norm from this rank's norm of its shards."""
+        import torch.distributed as dist
+
+        if math.isinf(norm_type):
+            norm = norm.to(torch.float64, copy=True)  # the all-reduce is in place
+            dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=self.dp_group)
+            return norm
+        return self.all_reduce_sum(norm.double() ** norm_type) ** (1.0 / norm_type)
 
     def hook_targets(
         self, named: Sequence[tuple[str, nn.Parameter]]
@@ -107,3 +127,8 @@ class FSDP2Strategy(ProcessGroupStrategy):
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         return norm
+
+
+def _to_local(grad: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(grad, "to_local", None)
+    return to_local() if to_local is not None else grad

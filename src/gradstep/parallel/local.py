@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -31,6 +32,15 @@ class LocalStrategy:
 
     def total_norm(self, grads: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
         return local_norm(grads, norm_type)
+
+    def final_grads(self, params: Sequence[nn.Parameter], record: Callable) -> Any:
+        """``record(param, grad)`` once autograd has accumulated its final gradient."""
+        from ..norms import post_accumulate_hooks
+
+        return post_accumulate_hooks(params, record, lambda g: g)
+
+    def reduce_norm(self, norm: torch.Tensor, norm_type: float) -> torch.Tensor:
+        return norm
 
     def check_window(self, n: int) -> None:
         return None
