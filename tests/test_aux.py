@@ -199,3 +199,24 @@ def test_the_silent_traps_warn_once():
     with pytest.warns(UserWarning, match="loss is inf but its gradient is finite"):
         stats = stepper.step(window, inf_no_grad)
     assert not stats.skipped
+
+
+def test_counted_up_front_is_the_same_step():
+    """``token_loss(..., count=False)`` with ``step(..., count=fn)``: the tokens counted
+    before the first forward, as a hand loop does; bitwise the same step."""
+    window = _windows(1)[1][0]
+
+    def run(loss_fn, count):
+        model, stepper = _stepper()
+        stats = stepper.step(window, loss_fn, count=count)
+        return stats, [p.detach().clone() for p in model.parameters()]
+
+    def uncounted(model, mb):
+        return gradstep.token_loss(model(mb["input_ids"]), mb["labels"], count=False)
+
+    (a, pa), (b, pb) = run(lm_loss, None), run(uncounted, count_tokens)
+    assert (a.loss, a.items, a.grad_norm) == (b.loss, b.items, b.grad_norm)
+    assert all(torch.equal(x, y) for x, y in zip(pa, pb, strict=True))
+    _, stepper = _stepper()
+    with pytest.raises(TypeError, match=r"LossSum.count is None.*pass count=fn"):
+        stepper.step(window, uncounted)

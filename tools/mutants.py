@@ -350,6 +350,42 @@ MUTATIONS = [
         ],
         "tests/demo/test_schedule.py",
     ),
+    m(
+        "N19",
+        "aux terms backpropagated without their weight N/M (the window's items per micro-batch)",
+        "gradstep/tally.py",
+        [
+            (
+                "        return sum(loss.aux[n] for n in names) * self.plan.aux_weight",
+                "        return sum(loss.aux[n] for n in names)",
+            )
+        ],
+        "tests/test_aux.py",
+    ),
+    m(
+        "N20",
+        "FSDP2 norm in backward: this rank's shards only, not reduced over the shard group",
+        FSDP,
+        [
+            (
+                "return self.all_reduce_sum(norm.double() ** norm_type) ** (1.0 / norm_type)",
+                "return norm",
+            )
+        ],
+        "tests/test_norms.py",
+    ),
+    m(
+        "N21",
+        "norm in backward: the hooks stay registered when the window raises",
+        "gradstep/norms.py",
+        [
+            (
+                "    try:\n        yield\n    finally:\n        for h in handles:\n",
+                "    yield\n    if True:\n        for h in handles:\n",
+            )
+        ],
+        "tests/test_norms.py",
+    ),
 ]
 
 

@@ -30,23 +30,30 @@ class LossSum:
     ``sum(total) / sum(count) + mean(aux)``; weighting it needs the window's item count
     before the first backward: ``stepper.step(window, loss_fn, count=fn)``.
 
+    ``count=None`` means "as ``count(micro_batch)`` said": with ``step(..., count=fn)``
+    the items are counted up front (as a hand-written loop does), and the loss function
+    need not count them again between its forward and its backward.
+
     Unpacks as ``total, count = loss`` (the auxiliary terms stay in ``loss.aux``).
     """
 
     total: torch.Tensor
-    count: int | torch.Tensor
+    count: int | torch.Tensor | None
     aux: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
     def __iter__(self) -> Iterator[Any]:
         return iter((self.total, self.count))
 
 
-def token_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> LossSum:
+def token_loss(
+    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100, count: bool = True
+) -> LossSum:
     """Causal-LM cross-entropy as a :class:`LossSum`.
 
     ``labels`` must already be aligned with ``logits`` (``labels[..., t]`` is the target of
     position ``t``; shift before calling). Positions labelled ``ignore_index`` contribute
     neither to the sum nor to the count. The sum is taken in at least float32, even under autocast.
+    ``count=False`` leaves the count to ``step(..., count=fn)`` (``LossSum.count`` None).
     """
     if logits.shape[:-1] != labels.shape:
         raise ValueError(
@@ -61,8 +68,7 @@ def token_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -
         ignore_index=ignore_index,
         reduction="sum",
     )
-    count = (labels != ignore_index).sum()
-    return LossSum(total, count)
+    return LossSum(total, (labels != ignore_index).sum() if count else None)
 
 
 def check_loss_sum(out: object, count: bool = True) -> LossSum:
@@ -109,6 +115,11 @@ def _check_aux(aux: Mapping[str, Any]) -> None:
 def check_count(count: object) -> None:
     """``LossSum.count``: an int >= 0 or a 0-dim integer tensor (a tensor's sign is checked
     where it is read, so that a device tensor costs no host sync here)."""
+    if count is None:
+        raise TypeError(
+            "LossSum.count is None, which means 'the count of step(..., count=fn)': pass "
+            "count=fn, fn(micro_batch) -> its items, or return the count"
+        )
     if isinstance(count, torch.Tensor):
         if count.dim() != 0 or count.is_floating_point() or count.dtype == torch.bool:
             raise TypeError("LossSum.count must be an int or a 0-dim integer tensor")

@@ -47,6 +47,7 @@ __all__ = ["LossFn", "StepStats", "Stepper", "windows"]
 LossFn = Callable[[nn.Module, Any], LossSum]
 _DEFAULT_CLIP = object()
 ON_OOM = ("raise", "split")
+NORM_IN_BACKWARD_BYTES = 32 * 2**20  # norm_in_backward="auto": gradients at least this big
 
 
 class WindowOOM(Exception):
@@ -120,6 +121,9 @@ class Stepper:
             multiply remains; the same norm as the pass after backward, to rounding. Used
             where the strategy supports it (one process, DDP, FSDP2), without fp16 loss
             scaling and without float32 accumulation buffers; else the pass after backward.
+            ``"auto"`` (default): when the gradients hold at least 32 MiB, too much for a
+            cache to keep between backward and a later pass (on small models one norm per
+            parameter costs more than the single pass it replaces).
     """
 
     def __init__(
@@ -135,7 +139,7 @@ class Stepper:
         strategy: Strategy | None = None,
         on_oom: str = "raise",
         split_fn: SplitFn | None = None,
-        norm_in_backward: bool = True,
+        norm_in_backward: bool | str = "auto",
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -166,10 +170,17 @@ class Stepper:
         self.scheduler = scheduler
         self.clip = ClipNorm(1.0) if clip is _DEFAULT_CLIP else clip
         self.sync_each_micro_batch = bool(sync_each_micro_batch)
-        self.norm_in_backward = bool(norm_in_backward)
         self.hooks = Hooks(hooks)
         self._named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self._params = [p for _, p in self._named]
+        if norm_in_backward not in (True, False, "auto"):
+            raise ValueError(
+                f"norm_in_backward must be True, False or 'auto'; got {norm_in_backward!r}"
+            )
+        if norm_in_backward == "auto":
+            grad_bytes = sum(p.numel() * p.element_size() for _, p in self._named)
+            norm_in_backward = grad_bytes >= NORM_IN_BACKWARD_BYTES
+        self.norm_in_backward = bool(norm_in_backward)
         check_optimizer_covers(self._named, optimizer)
         self._strategy = strategy_for(model) if strategy is None else strategy
         params = [p for _, p in self._named]
@@ -384,6 +395,8 @@ class Stepper:
                 with self._strategy.sync(is_last or self.sync_each_micro_batch):
                     with guard(), self._precision.autocast():
                         loss = check_loss_sum(loss_fn(self.model, mb), count=False)
+                    if loss.count is None and plan is not None:  # counted up front
+                        loss = LossSum(loss.total, plan.counts[n - 1], loss.aux)
                     backprop = tally.add(loss)  # the loss sum (+ weighted aux terms)
                     observed = self.hooks.param_grads(self, self._hook_targets, n - 1)
                     final = self._final_grads(early if is_last else None)
@@ -432,16 +445,17 @@ class Stepper:
         """:meth:`_accumulate` when :meth:`_nothing_per_micro_batch`: the same steps without
         the contexts that would do nothing (each costs microseconds per micro-batch, which
         is what a small model's step is made of)."""
-        n = 0
-        backward = self._precision.backward
+        # fp32 here: no loss scale, no pre-scale, so the backward is the plain one.
+        n, model = 0, self.model
         with self._precision.accumulating():
-            for n, (is_last, mb) in enumerate(mark_last(micro_batches), start=1):  # noqa: B007
-                loss = check_loss_sum(loss_fn(self.model, mb), count=False)
-                if is_last and early is not None:
-                    with self._final_grads(early):
-                        backward(tally.add(loss), loss.count, self._mean_over_ranks)
-                else:
-                    backward(tally.add(loss), loss.count, self._mean_over_ranks)
+            if early is None:
+                for n, mb in enumerate(micro_batches, start=1):  # noqa: B007
+                    tally.add(check_loss_sum(loss_fn(model, mb), count=False)).backward()
+            else:
+                for n, (is_last, mb) in enumerate(mark_last(micro_batches), start=1):  # noqa: B007
+                    backprop = tally.add(check_loss_sum(loss_fn(model, mb), count=False))
+                    with self._final_grads(early) if is_last else contextlib.nullcontext():
+                        backprop.backward()
         if n == 0:
             raise ValueError("micro_batches is empty: a window needs at least one micro-batch")
         return tally, n

@@ -114,10 +114,16 @@ class Tally:
     def reduce(self, strategy: Any, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(the window's sums over every rank, this rank's item count): one collective."""
         dev = self.totals[0].device
+        if self.plan is not None and any(c is None for c in self.counts):
+            # LossSum.count None: the count comes from count(micro_batch), taken up front.
+            pairs = zip(self.counts, self.plan.counts, strict=True)
+            self.counts = [planned if c is None else c for c, planned in pairs]
         for c in self.counts:  # once per window, not between forward and backward
             check_count(c)
         if all(isinstance(c, torch.Tensor) for c in self.counts):
             counts = torch.stack(self.counts).to(dev)
+        elif all(isinstance(c, int) for c in self.counts):
+            counts = torch.tensor(self.counts, dtype=torch.int64, device=dev)
         else:
             counts = torch.stack([torch.as_tensor(c, device=dev) for c in self.counts])
         mismatch = torch.zeros((), dtype=torch.float64, device=dev)
