@@ -113,13 +113,16 @@ def _hooks_left(model) -> int:
 def test_a_window_that_raises_in_its_last_backward_leaves_no_hook():
     model = tiny_gpt(torch.float64)
     reference = copy.deepcopy(model)
-    stepper = gradstep.Stepper(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    stepper = gradstep.Stepper(model, opt, norm_in_backward=True)
     windows = make_windows(2, 1, 3, seed=6)
     with pytest.raises(RuntimeError, match="backward failed"):
         stepper.step(windows[0][0], _raising_last([], 3))
     assert _hooks_left(model) == 0
+    assert stepper.norm_in_backward  # the hooks were there, and are gone
     stats = stepper.step(windows[1][0], lm_loss)
-    ref = gradstep.Stepper(reference, torch.optim.SGD(reference.parameters(), lr=0.1))
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    ref = gradstep.Stepper(reference, ref_opt, norm_in_backward=True)
     want = ref.step(windows[1][0], lm_loss)
     assert stats.grad_norm == want.grad_norm
     for pa, pb in zip(model.parameters(), reference.parameters(), strict=True):
@@ -153,7 +156,8 @@ def _ranks(rank: int, world: int) -> dict:
                 out[(strategy, norm_type, sync_each)] = norms
     # A window whose last backward raises: nothing is left recording.
     model = gd.prepare_model(tiny_gpt(torch.float64), "ddp")
-    stepper = gradstep.Stepper(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    stepper = gradstep.Stepper(model, opt, norm_in_backward=True)
     try:
         stepper.step(data[0][rank], _raising_last([], 3))
         raised = False
@@ -178,3 +182,17 @@ def test_two_ranks_same_norm_as_after_backward():
         assert res["used"] == 24
         assert res["raising"] == {"raised": True, "recorder": None}
     assert results[0][("fsdp", 2.0, False)] == results[1][("fsdp", 2.0, False)]
+
+
+def test_auto_measures_in_backward_from_32_mib_of_gradients():
+    small = torch.nn.Linear(64, 64)
+    big = torch.nn.Linear(2900, 2900)  # 8.4M parameters: 32.1 MiB of fp32 gradients
+    frozen = torch.nn.Linear(2900, 2900).requires_grad_(False)
+    for model, want in ((small, False), (big, True), (frozen, False)):
+        params = [p for p in model.parameters() if p.requires_grad] or [
+            torch.nn.Parameter(torch.zeros(1))
+        ]
+        opt = torch.optim.SGD(params, lr=0.1)
+        assert gradstep.Stepper(model, opt).norm_in_backward is want
+    with pytest.raises(ValueError, match="norm_in_backward must be True, False or 'auto'"):
+        gradstep.Stepper(small, torch.optim.SGD(small.parameters(), lr=0.1), norm_in_backward="on")

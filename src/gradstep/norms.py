@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["EarlyNorm", "combine"]
+__all__ = ["EarlyNorm", "combine", "post_accumulate_hooks"]
 
 
 def combine(norms: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:

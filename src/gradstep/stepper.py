@@ -50,7 +50,7 @@ ON_OOM = ("raise", "split")
 NORM_IN_BACKWARD_BYTES = 32 * 2**20  # norm_in_backward="auto": gradients at least this big
 
 
-class WindowOOM(Exception):
+class _WindowOOM(Exception):
     """Some rank ran out of memory in this window: every rank drops it and splits."""
 
 
@@ -183,8 +183,9 @@ class Stepper:
         self.norm_in_backward = bool(norm_in_backward)
         check_optimizer_covers(self._named, optimizer)
         self._strategy = strategy_for(model) if strategy is None else strategy
-        params = [p for _, p in self._named]
-        self._precision = Precision(precision, params, accum_dtype, self._strategy.distributed)
+        self._precision = Precision(
+            precision, self._params, accum_dtype, self._strategy.distributed
+        )
         self.step_count = 0
         self.skipped_steps = 0
         self.clipped_steps = 0
@@ -248,8 +249,10 @@ class Stepper:
         """Run one window of micro-batches and take (or skip) one optimizer step.
 
         ``count(micro_batch) -> int``: its items, the count ``loss_fn`` will return, asked
-        for every micro-batch before the first forward (one collective). Needed only by
-        ``LossSum.aux`` terms, which are weighted by the window's global item count.
+        for every micro-batch before the first forward (one collective). Needed by
+        ``LossSum.aux`` terms, which are weighted by the window's global item count; it
+        also lets ``loss_fn`` return ``count=None`` (counted up front, not after each
+        forward).
         """
         if count is not None and not callable(count):
             raise TypeError(f"count must be None or a callable, got {type(count).__name__}")
@@ -280,7 +283,7 @@ class Stepper:
             try:
                 stats = self._step(micro_batches, loss_fn, count)
                 break
-            except WindowOOM:
+            except _WindowOOM:
                 self._drop_window()
                 # Raised on every rank together: a rank that can still shrink its own
                 # micro-batches keeps the others' windows the same length.
@@ -467,7 +470,7 @@ class Stepper:
         failed = False
         try:
             yield
-        except WindowOOM:
+        except _WindowOOM:
             raise
         except Exception as exc:
             if not is_out_of_memory(exc):
@@ -476,7 +479,7 @@ class Stepper:
         self._agree(failed)
 
     def _agree(self, failed: bool) -> None:
-        """Raise WindowOOM on every rank when any rank ran out of memory.
+        """Raise _WindowOOM on every rank when any rank ran out of memory.
 
         Every agreement point is the same one-number all-reduce: after each forward, after
         each backward, and (where forwards communicate: FSDP2's all-gathers) before each
@@ -487,7 +490,7 @@ class Stepper:
             flag = torch.tensor([float(failed)], dtype=torch.float64)
             failed = bool(self._strategy.all_reduce_sum(flag).item() > 0)
         if failed:
-            raise WindowOOM
+            raise _WindowOOM
 
     @contextlib.contextmanager
     def _agreement_before_forwards(self) -> Iterator[None]:
