@@ -312,3 +312,27 @@ def _cpu_name() -> str:
 
 def as_dict(obj: object) -> dict:
     return asdict(obj)  # type: ignore[call-overload]
+
+
+# ----------------------------------------------------------------------------- output
+
+OUT = Path(__file__).resolve().parent / "out"
+
+
+def markdown_table(rows: Sequence[dict], keys: Sequence[str] | None = None) -> str:
+    """``rows`` as a markdown table (floats to 4 significant digits, None as "-")."""
+    keys = list(keys or rows[0])
+
+    def cell(v: object) -> str:
+        return f"{v:.4g}" if isinstance(v, float) else "-" if v is None else str(v)
+
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    return "\n".join(lines + ["| " + " | ".join(cell(r[k]) for k in keys) + " |" for r in rows])
+
+
+def write_outputs(name: str, text: str, result: dict) -> None:
+    """Print ``text`` and write it to ``bench/out/NAME.md``, ``result`` to ``NAME.json``."""
+    print(text)
+    OUT.mkdir(exist_ok=True)
+    (OUT / f"{name}.md").write_text(text)
+    (OUT / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -33,12 +33,21 @@ from typing import Any
 
 import torch
 
-from _common import BaseConfig, interleaved_times, lm_window, machine_info, random_rows, ratio_stats
+from _common import (
+    OUT,
+    BaseConfig,
+    interleaved_times,
+    lm_window,
+    machine_info,
+    markdown_table,
+    random_rows,
+    ratio_stats,
+    write_outputs,
+)
 from gradstep import GradientNoiseScale, Stepper
 from gradstep_demo.model import GPT, GPTConfig
 from gradstep_demo.train import LMLoss
 
-OUT = Path(__file__).resolve().parent / "out"
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 
@@ -174,16 +183,6 @@ def overhead(cfg: Config) -> dict[str, Any]:
             "cpu": asdict(ratio_stats(times.cpu_a, times.cpu_b))}  # fmt: skip
 
 
-def _md_table(rows: list[dict[str, Any]]) -> str:
-    keys = list(rows[0])
-
-    def fmt(v: Any) -> str:
-        return f"{v:.4g}" if isinstance(v, float) else "not reached" if v is None else str(v)
-
-    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    return "\n".join(lines + ["| " + " | ".join(fmt(r[k]) for k in keys) + " |" for r in rows])
-
-
 def main(argv: list[str] | None = None) -> None:
     cfg, _ = Config.parse(argv, Config.parser(__doc__))
     OUT.mkdir(exist_ok=True)
@@ -200,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
         f"## 1. demo, d_model {cfg.d_model} x {cfg.n_layer} layers, budget {cfg.budget} full "
         f"steps of {cfg.accum_steps} x {cfg.micro_batch_size} x {cfg.seq_len} bytes; target "
         f"val loss {target:.4f}\n",
-        _md_table(result["training"]),
+        markdown_table(result["training"]),
     ]
     result["overhead"] = overhead(cfg)
     wall, cpu = result["overhead"]["wall"], result["overhead"]["cpu"]
@@ -210,10 +209,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{wall['ci95_high']:.4f}), {wall['median_a_ms']:.1f} vs {wall['median_b_ms']:.1f} "
         f"ms; cpu: median ratio {cpu['median_ratio']:.4f}",
     ]
-    text = "\n".join(md) + "\n"
-    print(text)
-    (OUT / "batch_size.md").write_text(text)
-    (OUT / "batch_size.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_outputs("batch_size", "\n".join(md) + "\n", result)
 
 
 if __name__ == "__main__":

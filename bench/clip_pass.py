@@ -33,18 +33,16 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 import gradstep
-from _common import BaseConfig, lm_loss, lm_window, machine_info, random_rows
+from _common import BaseConfig, lm_loss, lm_window, machine_info, random_rows, write_outputs
 from gradstep.precision import Precision
 from gradstep_demo.model import GPT, GPTConfig
 from step_overhead import hand_step
 
-OUT = Path(__file__).resolve().parent / "out"
 SIZES = {
     "50m": GPTConfig(n_layer=8, n_head=8, d_model=704),
     "100m": GPTConfig(n_layer=12, n_head=8, d_model=832),
@@ -194,11 +192,7 @@ def main(argv: list[str] | None = None) -> None:
         f"of one buffer of the same size ({result['scale_bandwidth_gb_s']:.1f} GB/s)",
         f"whole step, during / hand: {result['step_ratio_during_vs_hand']:.3f}",
     ]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    OUT.mkdir(exist_ok=True)
-    (OUT / "clip_pass.md").write_text(text)
-    (OUT / "clip_pass.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_outputs("clip_pass", "\n".join(lines) + "\n", result)
 
 
 if __name__ == "__main__":

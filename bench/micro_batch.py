@@ -34,7 +34,6 @@ import json
 import statistics
 import sys
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,12 +46,12 @@ from _common import (
     lm_loss,
     lm_window,
     machine_info,
+    markdown_table,
     random_rows,
+    write_outputs,
 )
 from gradstep_demo.model import GPT, GPTConfig
 from step_overhead import hand_step
-
-OUT = Path(__file__).resolve().parent / "out"
 
 
 @dataclass(frozen=True)
@@ -145,24 +144,14 @@ def main(argv: list[str] | None = None) -> None:
     cfg, _ = Config.parse(argv, Config.parser(__doc__))
     rows = run(cfg)
     result = {"config": asdict(cfg), "machine": machine_info(), "rows": rows}
-    keys = list(rows[0])
-    lines = [
-        "# Per-micro-batch overhead of Stepper.step\n",
-        json.dumps(result["machine"]) + "\n",
-        "| " + " | ".join(keys) + " |",
-        "|" + "---|" * len(keys),
-        *(
-            "| "
-            + " | ".join(f"{r[k]:.1f}" if isinstance(r[k], float) else str(r[k]) for k in keys)
-            + " |"
-            for r in rows
-        ),  # fmt: skip
-    ]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    OUT.mkdir(exist_ok=True)
-    (OUT / "micro_batch.md").write_text(text)
-    (OUT / "micro_batch.json").write_text(json.dumps(result, indent=2) + "\n")
+    text = "\n".join(
+        [
+            "# Per-micro-batch overhead of Stepper.step\n",
+            json.dumps(result["machine"]) + "\n",
+            markdown_table(rows),
+        ]
+    )
+    write_outputs("micro_batch", text + "\n", result)
 
 
 if __name__ == "__main__":
