@@ -112,35 +112,37 @@ class Tally:
         return sum(loss.aux[n] for n in names) * self.plan.aux_weight
 
     def reduce(self, strategy: Any, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the window's sums over every rank, this rank's item count): one collective."""
-        dev = self.totals[0].device
+        """(the window's sums over every rank, this rank's item count): one collective.
+
+        The vector is [loss sum, items, negative counts, n, n^2, count mismatches, *aux
+        sums], built with as few small ops as the counts allow (each costs microseconds
+        on a CPU, a launch on a GPU).
+        """
+        dev, f64 = self.totals[0].device, torch.float64
         if self.plan is not None and any(c is None for c in self.counts):
             # LossSum.count None: the count comes from count(micro_batch), taken up front.
             pairs = zip(self.counts, self.plan.counts, strict=True)
             self.counts = [planned if c is None else c for c, planned in pairs]
         for c in self.counts:  # once per window, not between forward and backward
             check_count(c)
-        if all(isinstance(c, torch.Tensor) for c in self.counts):
-            counts = torch.stack(self.counts).to(dev)
-        elif all(isinstance(c, int) for c in self.counts):
-            counts = torch.tensor(self.counts, dtype=torch.int64, device=dev)
+        want = self.plan.counts if self.plan is not None else None
+        loss = torch.stack(self.totals).sum(dtype=f64).reshape(1)
+        aux = [torch.stack(self.aux[k]).sum(dtype=f64).reshape(1) for k in sorted(self.aux)]
+        if all(isinstance(c, int) for c in self.counts):  # counted on the host
+            wrong = sum(c != w for c, w in zip(self.counts, want, strict=True)) if want else 0
+            host = [float(sum(self.counts)), 0.0, float(n), float(n * n), float(wrong)]
+            local = torch.cat([loss, torch.tensor(host, dtype=f64, device=dev), *aux])
+            mine = local[1:2].clone()  # before the all-reduce, which may work in place
+            return strategy.all_reduce_sum(local), mine
+        counts = torch.stack([torch.as_tensor(c, device=dev) for c in self.counts])
+        items = counts.sum(dtype=f64).reshape(1)
+        parts = [loss, items, (counts < 0).sum(dtype=f64).reshape(1)]
+        if want is not None:
+            wrong = (counts != torch.tensor(want, device=dev)).sum(dtype=f64).reshape(1)
+            parts += [torch.tensor([float(n), float(n * n)], dtype=f64, device=dev), wrong]
         else:
-            counts = torch.stack([torch.as_tensor(c, device=dev) for c in self.counts])
-        mismatch = torch.zeros((), dtype=torch.float64, device=dev)
-        if self.plan is not None:
-            want = torch.tensor(self.plan.counts, device=dev)
-            mismatch = (counts != want).sum().double()
-        items = counts.sum().double()
-        local = [
-            torch.stack(self.totals).double().sum(),
-            items,
-            (counts < 0).sum().double(),
-            torch.tensor(float(n), dtype=torch.float64, device=dev),
-            torch.tensor(float(n * n), dtype=torch.float64, device=dev),
-            mismatch,
-            *(torch.stack(self.aux[name]).double().sum() for name in sorted(self.aux)),
-        ]
-        return strategy.all_reduce_sum(torch.stack(local)), items
+            parts.append(torch.tensor([float(n), float(n * n), 0.0], dtype=f64, device=dev))
+        return strategy.all_reduce_sum(torch.cat([*parts, *aux])), items
 
     def read(
         self,
@@ -151,8 +153,8 @@ class Tally:
         world: int,
     ) -> Window:
         """The step's one host sync; raises on a window-length, count or sign error."""
-        extra = torch.stack([raw_norm.reshape(()).to(reduced), local_items.to(reduced)])
-        values = torch.cat([reduced, extra]).tolist()
+        norm = raw_norm.reshape(1).to(reduced)
+        values = torch.cat([reduced, norm, local_items.reshape(1)]).tolist()
         loss, count, neg, n_sum, n2_sum, mismatch = values[:6]
         aux_sums, (raw, mine) = values[6:-2], values[-2:]
         error = window_length_error(n, n_sum, n2_sum, world)
