@@ -215,9 +215,34 @@ def _threads(world: int) -> int:
     return max(1, (os.cpu_count() or 2) // world)
 
 
+def ddp_same_math(rank: int, cfg: ScalingConfig, steps: int = 3) -> float:
+    """Largest relative parameter difference, Stepper vs ``hand_step_ddp``, after ``steps``
+    float64 steps of the 1m model on k = 4: the two sides do the same math (~1e-15)."""
+    torch.manual_seed(cfg.seed)
+    base = GPT(replace(SIZES["1m"], max_seq_len=max(cfg.seq_len, 16))).double()
+    a = gd.prepare_model(copy.deepcopy(base), "ddp")
+    b = gd.prepare_model(copy.deepcopy(base), "ddp")
+    opt_a, opt_b = make_optimizer(a, cfg), make_optimizer(b, cfg)  # type: ignore[arg-type]
+    stepper = gradstep.Stepper(a, opt_a, clip=gradstep.ClipNorm(cfg.max_norm))
+    for i in range(steps):
+        rows = random_rows(
+            4 * cfg.micro_batch_size, cfg.seq_len, seed=cfg.seed + 50 + i + 1000 * rank
+        )
+        window = lm_window(rows, cfg.micro_batch_size)
+        stepper.step(window, lm_loss)
+        hand_step_ddp(b, opt_b, window, cfg.max_norm)
+    return max(
+        float((pa - pb).detach().norm() / pb.detach().norm())
+        for pa, pb in zip(a.parameters(), b.parameters(), strict=True)
+    )
+
+
 def _bench_ranks(rank: int, world: int, cfg: ScalingConfig, grid: list) -> list[dict] | None:
     """On each rank (process group up): every world-size-2 configuration; rank 0 reports."""
     torch.set_num_threads(_threads(world))
+    diff = ddp_same_math(rank, cfg)
+    if rank == 0:
+        print(f"  same math under DDP: max rel. parameter difference {diff:.1e}", file=sys.stderr)
     results = []
     for size, k, _ in grid:
         results.append(bench_one(size, k, cfg, rank, world))
