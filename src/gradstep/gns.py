@@ -57,7 +57,6 @@ class GradientNoiseScale:
         self._ema = torch.zeros(3, dtype=torch.float64)  # |G|^2, tr(Sigma), weight sum
         self._measured = torch.zeros((), dtype=torch.float64)
         self._last = torch.full((2,), math.nan, dtype=torch.float64)
-        self._pending: torch.Tensor | None = None
         self._reset_window()
 
     # ------------------------------------------------------------------ hook points
@@ -81,10 +80,10 @@ class GradientNoiseScale:
         self._n_sq_sum = self._n_sq_sum + n * n
 
     def on_norm(self, stepper: Any, view: GradientView) -> None:
-        dev = view.raw_grads()[0].device if view.raw_grads() else torch.device("cpu")
-        local = torch.stack(
-            [torch.as_tensor(v, dtype=torch.float64, device=dev) for v in self._window_sums()]
-        )
+        grads = view.raw_grads()
+        dev = grads[0].device if grads else torch.device("cpu")
+        sums = (self._sq_sum, self._n_sq_sum, self._n_sum)
+        local = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=dev) for v in sums])
         sq_sum, n_sq_sum, n = stepper.strategy.all_reduce_sum(local).unbind()
         window_sq = (n * view.total_norm(2.0)) ** 2  # |s|^2: the window's gradient sum
         denom = n * n - n_sq_sum
@@ -173,7 +172,4 @@ class GradientNoiseScale:
         self._sq_sum: Any = 0.0
         self._n_sum: Any = 0.0
         self._n_sq_sum: Any = 0.0
-        self._pending = None
-
-    def _window_sums(self) -> tuple[Any, Any, Any]:
-        return self._sq_sum, self._n_sq_sum, self._n_sum
+        self._pending: torch.Tensor | None = None

@@ -134,7 +134,10 @@ class Tally:
             local = torch.cat([loss, torch.tensor(host, dtype=f64, device=dev), *aux])
             mine = local[1:2].clone()  # before the all-reduce, which may work in place
             return strategy.all_reduce_sum(local), mine
-        counts = torch.stack([torch.as_tensor(c, device=dev) for c in self.counts])
+        if all(isinstance(c, torch.Tensor) for c in self.counts):
+            counts = torch.stack(self.counts).to(dev)
+        else:  # some ints, some tensors
+            counts = torch.stack([torch.as_tensor(c, device=dev) for c in self.counts])
         items = counts.sum(dtype=f64).reshape(1)
         parts = [loss, items, (counts < 0).sum(dtype=f64).reshape(1)]
         if want is not None:
