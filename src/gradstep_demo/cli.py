@@ -13,8 +13,6 @@ import sys
 import typing
 from collections.abc import Callable, Sequence
 
-import torch
-
 from gradstep.errors import GradstepError
 
 from .config import TrainConfig, load_toml, resolve
@@ -194,12 +192,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:  # a full disk, a folder made read-only mid-run: no traceback
         print(f"gradstep {args.command}: error: {exc}", file=sys.stderr)
         return 1
-    except torch.distributed.DistBackendError as exc:
-        print(
-            f"gradstep {args.command}: error: a collective failed or timed out (a rank is "
-            f"stuck or gone; --collective-timeout sets how long to wait): {exc}",
-            file=sys.stderr,
-        )
+    except Exception as exc:
+        from gradstep.parallel import collective_failure
+
+        message = collective_failure(exc)
+        if message is None:
+            raise
+        print(f"gradstep {args.command}: error: {message}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"gradstep {args.command}: interrupted", file=sys.stderr)

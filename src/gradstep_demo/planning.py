@@ -32,7 +32,7 @@ from gradstep.memory import (
 from .config import ConfigError, TrainConfig
 from .model import GPT, GPTConfig
 
-__all__ = ["Planned", "device_budget", "plan_run", "shape_of"]
+__all__ = ["Planned", "device_budget", "plan_run", "prepare_process", "shape_of"]
 
 _COMPUTE = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -82,6 +82,13 @@ def device_budget(cfg: TrainConfig, device: torch.device) -> int:
         raise ConfigError(
             "cannot read this machine's free memory: give --memory-budget (e.g. 4GiB)"
         ) from None
+
+
+def prepare_process(cfg: TrainConfig, device: torch.device) -> None:
+    """The process settings a memory budget's prediction relies on, before the run builds
+    anything (called by ``gradstep train`` for every run)."""
+    if cfg.auto_micro_batch and device.type == "cpu":
+        pin_mmap_threshold()
 
 
 def _probe_model(cfg: TrainConfig, device: torch.device, checkpointing: bool) -> Stepper:

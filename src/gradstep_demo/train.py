@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from gradstep import GradientNoiseScale, LossSum, Stepper, StepStats, parallel, token_loss
+from gradstep import GradientNoiseScale, Stepper, StepStats, parallel
 from gradstep.checkpoint import Checkpointer, CheckpointInfo
 from gradstep.memory import checkpoint_blocks
 from gradstep.metrics import FINISHED_FILE, MetricsLogger
@@ -45,6 +45,7 @@ from . import planning, run_folder, summary
 from .batching import Layout, layout_for, windows_of
 from .config import ConfigError, TrainConfig
 from .data import Batch, Corpus, DataError, TrainBatches, load_corpus, validation_batches
+from .evaluation import LMLoss, evaluate
 from .hf_model import HFLoss, build_model, count_batch
 from .schedule import BatchRamp, LRSchedule, WarmupCosine, ramp_windows
 
@@ -53,45 +54,9 @@ __all__ = ["LMLoss", "WarmupCosine", "evaluate", "train"]
 TRAIN_LOSS_WINDOW = 10  # final train loss = token-weighted mean over the last N steps
 
 
-@dataclass(frozen=True)
-class LMLoss:
-    """``loss_fn`` for the Stepper: summed next-byte cross-entropy and its token count."""
-
-    device: torch.device
-
-    def __call__(self, model: nn.Module, batch: Batch) -> LossSum:
-        logits = model(batch["input_ids"].to(self.device, non_blocking=True))
-        return token_loss(logits, batch["labels"].to(self.device, non_blocking=True))
-
-
 def loss_for(cfg: TrainConfig, device: torch.device) -> tuple[Callable, Callable | None]:
     """(loss_fn, count) of the run's model: an HF model's may hold a router aux term."""
     return (HFLoss(device), count_batch) if cfg.is_hf else (LMLoss(device), None)
-
-
-@torch.no_grad()
-def evaluate(
-    model: nn.Module,
-    batches: Sequence[Batch],
-    device: torch.device,
-    loss_fn: Callable[[nn.Module, Batch], LossSum] | None = None,
-) -> float:
-    """Token-weighted mean loss (sum of token losses / token count), summed over ranks.
-
-    The same definition as the training loss, so the two curves are comparable; a mean of
-    per-batch means would over-weight short batches.
-    """
-    was_training = model.training
-    model.eval()
-    loss_fn = loss_fn or LMLoss(device)
-    sums = torch.zeros(2, dtype=torch.float64, device=device)
-    for batch in batches:
-        loss = loss_fn(model, batch)  # only the token-weighted term: aux terms stay out
-        total, count = loss.total, loss.count
-        sums += torch.stack([total.double(), torch.as_tensor(count, device=device).double()])
-    model.train(was_training)
-    total, count = parallel.all_reduce_sum(sums).tolist()
-    return total / count if count else math.nan
 
 
 def _check_launch(cfg: TrainConfig, env: parallel.DistEnv) -> None:
@@ -504,6 +469,7 @@ def _train(
         info = run_folder.find_checkpoint(cfg)
         _on_rank0(lambda: run_folder.prepare(cfg, info))
         cfg, notes = run_folder.resumed_settings(cfg, info, given, env.world_size)
+        planning.prepare_process(cfg, env.device)
         planned = None
         if cfg.auto_micro_batch:
             planned = _plan(cfg, env)

@@ -141,6 +141,17 @@ def init(
     return DistEnv(dist.get_rank(), dist.get_world_size(), local, dev, chosen)
 
 
+def collective_failure(exc: BaseException) -> str | None:
+    """A one-line gradstep message when ``exc`` is a collective that failed or timed out
+    (a rank stuck or gone), else None."""
+    if isinstance(exc, torch.distributed.DistBackendError):
+        return (
+            "a collective failed or timed out (a rank is stuck or gone; "
+            f"--collective-timeout sets how long to wait): {exc}"
+        )
+    return None
+
+
 def shutdown(barrier: bool = True) -> None:
     """Barrier, then destroy the process group; a no-op without one.
 
