@@ -166,3 +166,166 @@ def test_an_oom_on_one_rank_splits_every_rank_and_stays_exact(strategy):
     for name, value in want.items():
         assert rel_err([a["params"][name]], [value]) < 1e-12, name
         assert torch.equal(a["params"][name], b["params"][name]), name
+
+
+# ------------------------------------------- ranks whose micro-batches differ in size
+
+UNEVEN = {  # scenario: (rows per micro-batch on rank 0, on rank 1, OOM above rows: r0, r1)
+    "one rank splits, the other cannot shrink": ((1, 1), (4, 4), (None, 2)),
+    "the rank that cannot shrink runs out": ((1, 1), (4, 4), (0, None)),
+    "both split, by different amounts": ((3, 3), (4, 4), (1, 2)),
+    "windows of different lengths": ((2, 2), (2, 2, 2), (None, None)),
+}
+
+
+def _uneven_window(rank: int, sizes: tuple[int, ...], seed: int) -> list[dict]:
+    gen = torch.Generator().manual_seed(seed + 17 * rank)
+    return [_rows(gen, n) for n in sizes]
+
+
+def _rows(gen: torch.Generator, n: int) -> dict:
+    from tests.support.batches import collate
+    from tests.support.models import TINY_GPT
+
+    lengths = torch.randint(2, TINY_GPT.max_seq_len, (n,), generator=gen).tolist()
+    ids = torch.randint(1, TINY_GPT.vocab_size, (n, TINY_GPT.max_seq_len + 1), generator=gen)
+    return collate([(ids[r, :k], ids[r, 1 : k + 1]) for r, k in enumerate(lengths)])
+
+
+def uneven_rank(rank: int, world: int, strategy: str) -> dict:
+    """Every scenario of UNEVEN in one start of the ranks: what each rank ended with."""
+    import gradstep.parallel as gd
+
+    out = {}
+    for name, (rows0, rows1, limits) in UNEVEN.items():
+        model = gd.prepare_model(tiny_gpt(torch.float64), strategy)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        stepper = gradstep.Stepper(model, opt, clip=None, on_oom="split")
+        limit = limits[rank]
+        loss_fn = lm_loss if limit is None else OOMAbove(limit)
+        window = _uneven_window(rank, (rows0, rows1)[rank], seed=5)
+        try:
+            stats = stepper.step(window, loss_fn)
+            result = {"splits": stats.oom_splits, "micro_batches": stats.micro_batches}
+        except (MicroBatchTooLarge, RuntimeError) as exc:
+            result = {"error": type(exc).__name__, "message": str(exc)}
+        params = {n.removeprefix("module."): p for n, p in model.named_parameters()}
+        result["params"] = {
+            n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in params.items()
+        }
+        result["grads_left"] = any(p.grad is not None for p in model.parameters())
+        out[name] = result
+    out["eval"] = _evaluate_split(rank, gd.prepare_model(tiny_gpt(torch.float64), strategy))
+    return out
+
+
+def _evaluate_split(rank: int, model: nn.Module) -> float:
+    """Validation on two ranks: rank 0 runs out of memory above one row, rank 1 never."""
+    from gradstep_demo.evaluation import evaluate
+
+    batches = _uneven_window(rank, (4, 3), seed=9)
+    return evaluate(model, batches, torch.device("cpu"), OOMAbove(1) if rank == 0 else lm_loss)
+
+
+def _uneven_reference(name: str) -> dict[str, torch.Tensor]:
+    rows0, rows1, _ = UNEVEN[name]
+    model = tiny_gpt(torch.float64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    window = _uneven_window(0, rows0, 5) + _uneven_window(1, rows1, 5)
+    gradstep.Stepper(model, opt, clip=None).step(window, lm_loss)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_ranks_with_different_micro_batch_sizes_end_the_same_way(strategy):
+    """One rank's micro-batches hold 1 item, the other's 4: an out-of-memory on either
+    ends every rank the same way, never in a hang: all split together and take the
+    one-process step, or all raise MicroBatchTooLarge with nothing changed."""
+    from tests.support.multiproc import run_ranks
+
+    a, b = run_ranks(uneven_rank, 2, strategy, timeout=120, collective_timeout_s=30)
+    start = {n: p.detach().clone() for n, p in tiny_gpt(torch.float64).named_parameters()}
+    for name in UNEVEN:
+        got = (a[name], b[name])
+        for r in got:
+            for key, value in r["params"].items():
+                assert torch.equal(value, got[0]["params"][key]), (name, key)
+        errors = {r.get("error") for r in got}
+        if name == "the rank that cannot shrink runs out":
+            assert errors == {"MicroBatchTooLarge"}, (name, got)
+            assert "after 0 halvings" in a[name]["message"]
+            assert "CUDA out of memory" in a[name]["message"]  # the rank's own error, said
+        if name == "windows of different lengths":
+            assert errors == {"RuntimeError"} and "micro-batches" in a[name]["message"], got
+        if errors != {None}:  # an error: every rank's parameters are untouched
+            assert not any(r["grads_left"] for r in got), name
+            for key, value in start.items():
+                assert torch.equal(a[name]["params"][key], value), (name, key)
+            continue
+        want = _uneven_reference(name)
+        assert a[name]["splits"] == b[name]["splits"] >= 1, name
+        assert a[name]["micro_batches"] == b[name]["micro_batches"], name
+        for key, value in want.items():
+            assert rel_err([a[name]["params"][key]], [value]) < 1e-12, (name, key)
+    assert a["both split, by different amounts"]["splits"] == 2  # 3 rows -> 2 -> 1
+    from gradstep_demo.evaluation import evaluate
+
+    every = _uneven_window(0, (4, 3), seed=9) + _uneven_window(1, (4, 3), seed=9)
+    want = evaluate(tiny_gpt(torch.float64), every, torch.device("cpu"), lm_loss)
+    assert a["eval"] == b["eval"] == pytest.approx(want, rel=1e-12)
+
+
+def test_evaluation_splits_a_batch_that_runs_out_of_memory():
+    """The final evaluation of a run that recovered in training must not crash at the
+    planned size: the batch is halved, and the token-weighted loss stays the unsplit one."""
+    from gradstep_demo.evaluation import evaluate
+
+    model = tiny_gpt(torch.float64)
+    batches = _uneven_window(0, (4, 3, 4), seed=2)
+    cpu = torch.device("cpu")
+    want = evaluate(model, batches, cpu, lm_loss)
+    tight = OOMAbove(1)
+    assert evaluate(model, batches, cpu, tight) == pytest.approx(want, rel=1e-12)
+    assert max(tight.seen[-4:]) <= 1  # later batches start split
+    with pytest.raises(torch.OutOfMemoryError):
+        evaluate(model, batches, cpu, OOMAbove(1), on_oom="raise")
+    with pytest.raises(MicroBatchTooLarge, match="after 2 halvings.*CUDA out of memory"):
+        evaluate(model, batches, cpu, OOMAbove(0))
+    assert model.training  # restored, also after the error
+    with pytest.raises(ValueError, match="on_oom must be one of raise, split"):
+        evaluate(model, batches, cpu, on_oom="halve")
+
+
+@pytest.mark.parametrize(
+    ("exc", "oom"),
+    [
+        (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), True),
+        (MemoryError(), True),
+        (RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: "
+                      "can't allocate memory: you tried to allocate 25165824 bytes."), True),
+        (RuntimeError("could not create a primitive"), True),
+        (RuntimeError("CUDA error: out of memory"), True),
+        (RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 16x4)"), False),
+        (ValueError("can't allocate memory"), False),  # not an allocator's error type
+    ],
+)  # fmt: skip
+def test_out_of_memory_is_recognised_as_the_allocators_report_it(exc, oom):
+    from gradstep.memory.split import is_out_of_memory
+
+    assert is_out_of_memory(exc) is oom
+
+
+def test_a_memory_error_without_a_message_is_split_too():
+    calls = []
+
+    def loss_fn(model, mb):  # noqa: ANN001, ANN202
+        calls.append(mb["input_ids"].shape[0])
+        if mb["input_ids"].shape[0] > 2:
+            raise MemoryError  # what numpy or Python raise under an address-space limit
+        return lm_loss(model, mb)
+
+    stats, update, _ = _run(loss_fn, on_oom="split")
+    assert stats[0].oom_splits == 1 and max(calls[-4:]) == 2

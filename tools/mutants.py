@@ -301,10 +301,10 @@ MUTATIONS = [
     m(
         "N14",
         "OOM on one rank: the others do not split (no agreement)",
-        STEP,
+        "gradstep/memory/split.py",
         [
             (
-                "            failed = bool(self._strategy.all_reduce_sum(flag).item() > 0)",
+                "            failed = bool(self._sum(flag).item() > 0)",
                 "            failed = failed",
             )
         ],

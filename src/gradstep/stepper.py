@@ -17,7 +17,7 @@ import contextlib
 import math
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,11 +28,12 @@ from ._validate import check_optimizer_covers, check_state_count
 from .hooks import Hooks
 from .loss import LossSum, check_loss_sum
 from .memory.split import (
+    MAX_HALVINGS,
+    OOMAgreement,
     SplitFn,
+    WindowOOM,
     halve,
-    is_out_of_memory,
     split_in_half,
-    too_large,
     too_large_error,
 )
 from .norms import EarlyNorm
@@ -48,10 +49,6 @@ LossFn = Callable[[nn.Module, Any], LossSum]
 _DEFAULT_CLIP = object()
 ON_OOM = ("raise", "split")
 NORM_IN_BACKWARD_BYTES = 32 * 2**20  # norm_in_backward="auto": gradients at least this big
-
-
-class _WindowOOM(Exception):
-    """Some rank ran out of memory in this window: every rank drops it and splits."""
 
 
 @dataclass
@@ -114,7 +111,10 @@ class Stepper:
             forward, loss or backward, drop the window's gradients, halve every micro-batch
             (``split_fn``, default :func:`gradstep.memory.split_in_half`) and run the
             window again; later windows start halved. The update is unchanged (the loss
-            is normalised by items). On several ranks every rank splits together.
+            is normalised by items). Out-of-memory as the allocators report it
+            (:func:`gradstep.memory.split.is_out_of_memory`: CUDA's, the CPU allocator's,
+            oneDNN's). On several ranks every rank splits together, or, when a rank ran
+            out in a one-item micro-batch, every rank raises ``MicroBatchTooLarge``.
         split_fn: cuts one micro-batch in two (None when it holds one item).
         norm_in_backward: take each gradient's norm as soon as it is final in the last
             micro-batch's backward (:mod:`gradstep.norms`), so that after backward only the
@@ -186,6 +186,7 @@ class Stepper:
         self._precision = Precision(
             precision, self._params, accum_dtype, self._strategy.distributed
         )
+        self._oom = OOMAgreement(self._strategy.all_reduce_sum, self._strategy.world_size)
         self.step_count = 0
         self.skipped_steps = 0
         self.clipped_steps = 0
@@ -272,24 +273,27 @@ class Stepper:
             )
         if self.on_oom == "split":
             micro_batches = halve(list(micro_batches), self.split_fn, self.oom_halvings)
-        if self._strategy.forward_communicates:
-            # FSDP2's forward all-gathers parameters: a rank with one micro-batch more
-            # would pair those all-gathers with the other ranks' reductions and hang, so
+        split_ranks = self.on_oom == "split" and self.world_size > 1
+        if self._strategy.forward_communicates or split_ranks:
+            # FSDP2's forward all-gathers parameters, and on_oom="split" meets the other
+            # ranks after every forward and backward: a rank with one micro-batch more
+            # would pair those collectives with the other ranks' reductions and hang, so
             # the window lengths are compared before the first forward (one collective).
             micro_batches = list(micro_batches)
             self._strategy.check_window(len(micro_batches))
         splits = 0
         while True:
+            self._oom.reset()
             try:
                 stats = self._step(micro_batches, loss_fn, count)
                 break
-            except _WindowOOM:
+            except WindowOOM:
                 self._drop_window()
-                # Raised on every rank together: a rank that can still shrink its own
-                # micro-batches keeps the others' windows the same length.
-                flag = torch.tensor([float(too_large(micro_batches))], dtype=torch.float64)
-                if self._strategy.all_reduce_sum(flag).item() == self.world_size:
-                    raise too_large_error(self.oom_halvings) from None
+                # Raised on every rank together, and decided together: give up when a rank
+                # ran out in a one-item micro-batch (no split can help it); else every rank
+                # halves, so that all windows keep the same length.
+                if self._oom.stuck() or self.oom_halvings >= MAX_HALVINGS:
+                    raise too_large_error(self.oom_halvings, self._oom.last_error) from None
                 self.oom_halvings += 1
                 micro_batches = halve(micro_batches, self.split_fn, 1)
                 splits += 1
@@ -391,19 +395,19 @@ class Stepper:
             return self._accumulate_lean(micro_batches, loss_fn, tally, early)
         n = 0
         split = self.on_oom == "split"
-        guard = self._out_of_memory_agreed if split else contextlib.nullcontext
+        guard = self._oom.guard if split else _no_guard
         agreeing = self._agreement_before_forwards() if split else contextlib.nullcontext()
         with agreeing, self._precision.accumulating():
             for n, (is_last, mb) in enumerate(mark_last(micro_batches), start=1):  # noqa: B007
                 with self._strategy.sync(is_last or self.sync_each_micro_batch):
-                    with guard(), self._precision.autocast():
+                    with guard(mb), self._precision.autocast():
                         loss = check_loss_sum(loss_fn(self.model, mb), count=False)
                     if loss.count is None and plan is not None:  # counted up front
                         loss = LossSum(loss.total, plan.counts[n - 1], loss.aux)
                     backprop = tally.add(loss)  # the loss sum (+ weighted aux terms)
                     observed = self.hooks.param_grads(self, self._hook_targets, n - 1)
                     final = self._final_grads(early if is_last else None)
-                    with guard(), observed, final:
+                    with guard(mb), observed, final:
                         self._precision.backward(backprop, loss.count, self._mean_over_ranks)
                 for call in self.hooks.on_micro_batch_end:
                     call(self, n - 1, is_last, loss)
@@ -463,45 +467,12 @@ class Stepper:
             raise ValueError("micro_batches is empty: a window needs at least one micro-batch")
         return tally, n
 
-    @contextlib.contextmanager
-    def _out_of_memory_agreed(self) -> Iterator[None]:
-        """With ``on_oom="split"``: turn an out-of-memory error into a window split that
-        every rank takes together (see :meth:`_agree`)."""
-        failed = False
-        try:
-            yield
-        except _WindowOOM:
-            raise
-        except Exception as exc:
-            if not is_out_of_memory(exc):
-                raise
-            failed = True
-        self._agree(failed)
-
-    def _agree(self, failed: bool) -> None:
-        """Raise _WindowOOM on every rank when any rank ran out of memory.
-
-        Every agreement point is the same one-number all-reduce: after each forward, after
-        each backward, and (where forwards communicate: FSDP2's all-gathers) before each
-        communicating module's forward. A rank that fails early therefore meets its peers
-        at their next agreement point, never inside an all-gather or a gradient reduction.
-        """
-        if self.world_size > 1:
-            flag = torch.tensor([float(failed)], dtype=torch.float64)
-            failed = bool(self._strategy.all_reduce_sum(flag).item() > 0)
-        if failed:
-            raise _WindowOOM
-
-    @contextlib.contextmanager
-    def _agreement_before_forwards(self) -> Iterator[None]:
-        modules = self._strategy.communicating_modules() if self.world_size > 1 else []
-        hook = lambda module, args: self._agree(False)  # noqa: E731
-        handles = [m.register_forward_pre_hook(hook, prepend=True) for m in modules]
-        try:
-            yield
-        finally:
-            for h in handles:
-                h.remove()
+    def _agreement_before_forwards(self) -> contextlib.AbstractContextManager[None]:
+        """With on_oom="split" on several ranks: an agreement point before every forward
+        that communicates (FSDP2's units, DDP broadcasting buffers), see OOMAgreement."""
+        if self.world_size == 1:
+            return contextlib.nullcontext()
+        return self._oom.before_forwards(self._strategy.communicating_modules())
 
     def _hook_targets(self) -> list[tuple[str, nn.Parameter, torch.Tensor]]:
         return self._strategy.hook_targets(self._named)
@@ -642,6 +613,10 @@ class Stepper:
         for obj, sd in zip(objects, [*clip_states, *hook_states], strict=True):
             if hasattr(obj, "load_state_dict"):
                 obj.load_state_dict(sd)
+
+
+def _no_guard(micro_batch: Any = None) -> contextlib.AbstractContextManager[None]:
+    return contextlib.nullcontext()
 
 
 def _state_of(obj: Any) -> dict[str, Any]:

@@ -169,3 +169,43 @@ def test_step_predictor_adds_the_gradients_a_one_micro_batch_probe_never_held():
     predict = step_predictor(shape, probe=probe, per_rank_batch=8)  # probe_accum_steps=1
     assert predict(2, False) == probe.predict(2) + 1232 * 4  # P fp32 gradients
     assert predict(8, False) == probe.predict(8)  # 1 micro-batch: same as the probe
+
+
+def test_near_ties_go_to_the_fixed_rule_not_to_the_timings():
+    """Throughputs within TIE (10%) of the best are ties: no checkpointing, then the larger
+    micro-batch, so timing noise on a shared CPU cannot flip plan against train."""
+    from gradstep.memory.plan import TIE
+
+    def timed(noise):  # checkpointing at 8 items looks up to 8% faster than 4 without
+        def step_time(mbs, ckpt):
+            return (0.02 + mbs) / (1 + noise) if ckpt else 0.02 + mbs
+
+        return step_time
+
+    predict = linear(100, 100, ckpt_per_item_mib=10)  # without ckpt only mbs <= 4 fits
+    for noise in (0.0, 0.04, 0.08):
+        plan = plan_step(600 * MiB, 32, predict=predict, step_time=timed(noise))
+        assert (plan.micro_batch_size, plan.activation_checkpointing) == (4, False), noise
+    far = plan_step(600 * MiB, 32, predict=predict, step_time=timed(3 * TIE))
+    assert far.activation_checkpointing  # a real gain still wins
+
+
+def test_an_untimed_plan_prints_no_speed_column():
+    plan = plan_step("1GiB", 8, predict=linear(100, 10))
+    plan.timed = False
+    rows = plan.table().splitlines()[2:-2]
+    assert all(row.split()[-2] == "-" for row in rows)
+    assert "speed: not measured" in plan.table()
+
+
+def test_nothing_fits_says_the_budget_that_would():
+    with pytest.raises(ValueError, match=r"a budget of at least 386\.4MiB fits it") as err:
+        plan_step(380 * MiB, 24, predict=lambda m, c: int(347.69 * MiB) + m)
+    assert "10% margin" in str(err.value)
+
+
+def test_one_size_probe_says_its_per_item_cost_is_an_upper_bound():
+    one = ProbeResult(400 * MiB, 43 * MiB, [(1, 443 * MiB, 0.5)], 1.0, "vmhwm")
+    assert one.one_size and "upper bound" in one.describe()
+    two = ProbeResult(400 * MiB, 8 * MiB, [(1, 0, 0.5), (2, 0, 0.7)], 1.0, "vmhwm")
+    assert not two.one_size and "upper bound" not in two.describe()

@@ -168,7 +168,7 @@ def test_real_cpu_probe_grows_with_b_and_keeps_the_budget():
 
 
 def test_time_fit_takes_the_fastest_run_and_stays_non_negative():
-    from gradstep.memory.probe import _fit_seconds
+    from gradstep.memory.fit import _fit_seconds
 
     clean = [(1, 0, 1.5), (2, 0, 2.0), (4, 0, 3.0)]
     assert _fit_seconds(clean, []) == pytest.approx((1.0, 0.5))
@@ -180,7 +180,7 @@ def test_time_fit_takes_the_fastest_run_and_stays_non_negative():
 
 
 def test_per_shape_growth_is_corrected_only_when_it_does_not_rise_with_the_size():
-    from gradstep.memory.probe import _per_shape
+    from gradstep.memory.fit import _per_shape
 
     # in use before each measured run / before each size's warm-up (its first run)
     assert _per_shape([100, 160, 210], [50, 150, 200]) == 10  # 10, 10: kernel caches
@@ -188,3 +188,55 @@ def test_per_shape_growth_is_corrected_only_when_it_does_not_rise_with_the_size(
     assert _per_shape([100, 150, 240], [50, 130, 200]) == 0  # 20, 40: heap retention
     assert _per_shape([100, 150], [50, 140]) == 0  # one growth: cannot tell
     assert _per_shape([100, 150, 200], [None, None, None]) == 0  # no warm-ups
+
+
+def test_bound_kernel_caches_sets_what_the_user_did_not(monkeypatch):
+    from gradstep.memory import bound_kernel_caches
+
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "7")  # the user's choice stands
+    assert bound_kernel_caches(32) is True
+    import os
+
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "32"
+    assert os.environ["LRU_CACHE_CAPACITY"] == "7"
+    assert bound_kernel_caches(32) is False  # nothing left to set
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="capacity must be an int >= 1"):
+            bound_kernel_caches(bad)
+
+
+def test_the_shape_sweep_stops_when_new_shapes_stop_growing_the_process(monkeypatch):
+    mem = FakeMemory(monkeypatch, fixed=1000, per_item=100)
+    grows = [40, 30, 0, 0, 0, 0]  # bytes each new shape leaves resident: the cache fills
+    ran = []
+
+    def shape(i):
+        ran.append(i)
+        mem.baseline += grows[i] * 2**20  # MiB, above the settle threshold at first
+
+    res = probe_memory(mem.run, (1, 2), device="cpu", shapes=shape, max_shapes=6)
+    assert ran == [0, 1, 2, 3] and res.shapes_run == 4 and res.shapes_settled
+    assert res.shape_bytes == 70 * 2**20
+    assert "4 more input shapes keep 70.00 MiB resident" in res.describe()
+    mem.baseline = 1000
+    endless = probe_memory(mem.run, (1, 2), device="cpu", shapes=lambda i: shape(0), max_shapes=3)
+    assert endless.shapes_run == 3 and not endless.shapes_settled
+    assert "kernel caches not bounded" in endless.describe()
+
+
+def test_the_shape_sweep_keeps_the_budget(monkeypatch):
+    mib = 2**20
+    mem = FakeMemory(monkeypatch, fixed=100 * mib, per_item=10 * mib)
+    ran = []
+
+    def shape(i):
+        ran.append(i)
+        mem.baseline += 50 * mib
+
+    res = probe_memory(
+        mem.run, (1, 2), device="cpu", budget_bytes=240 * mib, shapes=shape, max_shapes=8
+    )
+    # Before each shape: in use + a step's 10 MiB + the largest growth seen (or a step's):
+    # 100 + 10 + 10, 150 + 10 + 50 = 210 <= 240, then 200 + 10 + 50 = 260 > 240: stop.
+    assert ran == [0, 1] and not res.shapes_settled

@@ -58,3 +58,10 @@ def test_format_bytes(n, text):
 def test_round_trip():
     for text in ("1.25 GiB", "3.00 MiB", "999.50 KiB"):
         assert format_bytes(parse_size(text.replace(" ", ""))) == text
+
+
+@pytest.mark.parametrize("text", ["1e30GiB", "4e8", "1E3MB", "2.5e-1GB"])
+def test_exponents_are_refused_and_the_message_says_so(text):
+    with pytest.raises(ValueError, match="exponents are not accepted") as err:
+        parse_size(text)
+    assert "GiB" in str(err.value)

@@ -13,7 +13,9 @@ from .plan import (
     step_predictor,
 )
 from .probe import (
+    KERNEL_CACHE_CAPACITY,
     ProbeResult,
+    bound_kernel_caches,
     current_bytes,
     peak_bytes,
     pin_mmap_threshold,
@@ -24,11 +26,13 @@ from .probe import (
 from .units import format_bytes, parse_size
 
 __all__ = [
+    "KERNEL_CACHE_CAPACITY",
     "Candidate",
     "MemoryEstimate",
     "Plan",
     "ProbeResult",
     "TransformerShape",
+    "bound_kernel_caches",
     "checkpoint_blocks",
     "current_bytes",
     "default_step_time",

@@ -18,9 +18,11 @@ checked tensor by tensor against what autograd saves (``saved_tensors_hooks``) a
 the CPU allocator's live bytes (profiler memory events): the formula matches both to < 1%
 for fp32, bf16 and fp32-with-bf16-autocast. Korthikanti et al. (2022, "Reducing Activation
 Recomputation in Large Transformer Models") is the template; the differences are what this
-model keeps: RoPE's rotated q and k (+2d), no dropout masks, no s^2 score matrix (the
-fused kernels, CPU flash and CUDA flash/efficient, keep only a logsumexp per head and
-token), and an fp32 ``(tokens, vocab)`` log-softmax for the loss.
+model keeps: RoPE's rotated q and k (+2d), no s^2 score matrix with fused attention (CPU
+flash and CUDA flash/efficient keep only a logsumexp per head and token; with dropout on
+CPU torch takes the math path, which keeps three s^2 matrices), dropout masks in the
+input's dtype, and an fp32 ``(tokens, vocab)`` log-softmax for the loss
+(:mod:`gradstep.memory.activations`).
 """
 
 from __future__ import annotations
@@ -31,11 +33,21 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-__all__ = ["MemoryEstimate", "TransformerShape", "estimate_step_memory"]
+from .activations import ATTENTION, _Bytes, activations, per_token_terms
 
-OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0, "none": 0}
-"""Tensors of parameter size the optimizer keeps per parameter (torch keeps them in the
-parameter's dtype: AdamW exp_avg and exp_avg_sq, SGD's momentum buffer)."""
+__all__ = ["MemoryEstimate", "TransformerShape", "estimate_step_memory", "per_token_terms"]
+
+OPTIMIZER_STATES = {
+    "adamw": 2,
+    "adam": 2,
+    "lamb": 2,
+    "lars": 1,
+    "sgd_momentum": 1,
+    "sgd": 0,
+    "none": 0,
+}
+"""Tensors of parameter size the optimizer keeps per parameter (in the parameter's dtype:
+AdamW's and LAMB's exp_avg and exp_avg_sq, the SGD/LARS momentum buffer)."""
 
 _FP32 = 4
 _INT64 = 8
@@ -170,79 +182,6 @@ def _size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-@dataclass(frozen=True)
-class _Bytes:
-    """Element sizes of the step: parameter, compute, residual-stream and reduce dtypes."""
-
-    param: int
-    compute: int
-    residual: int
-    """The residual stream's dtype: that of the (unsharded) parameters, since the
-    embedding output starts it and adds promote to it even under autocast."""
-    unsharded: int
-
-
-def per_token_terms(shape: TransformerShape, b: _Bytes) -> dict[str, float]:
-    """Activation bytes per token, by where they are kept (the formulas of the model).
-
-    Per block (``n`` norms, ``d`` model width, ``f`` MLP width, ``h`` heads):
-
-    * ``n*d*e_r``: each LayerNorm's input (its backward needs it);
-    * ``n*2*e_r``: each LayerNorm's mean and rstd;
-    * ``n*d*e_c``: each norm's output, the input of the next matmul (qkv, fc);
-    * ``3d*e_c``: the qkv projection (the rotary multiplies and SDPA's v keep views of it,
-      so the whole storage stays);
-    * ``2d*e_c``: rotated q and k (SDPA's inputs);
-    * ``d*e_c``: the attention output (SDPA and, as a view, the out-projection keep it);
-    * ``4h``: SDPA's fp32 logsumexp per head (no s^2 matrix with fused kernels);
-    * ``2f*e_c``: the fc output (GELU's backward) and the GELU output (down-projection's).
-
-    Head: final norm input, stats and output; the fp32 log-softmax over the vocabulary
-    (``token_loss`` upcasts the logits; log_softmax keeps its output); int64 ids and targets.
-    Temporaries at the backward peak: ``ce`` = two fp32 ``(tokens, V)`` gradients (w.r.t.
-    the log-probs and the logits) alive together in log_softmax's backward; ``block`` = the
-    gradient of a block's output (``d*e_r``) and of its MLP hidden (``f*e_c``) in the
-    down-projection's backward.
-    """
-    d, f, n, h, v = shape.d_model, shape.ffn, shape.norms_per_block, shape.n_head, shape.vocab_size
-    e_c, e_r = b.compute, b.residual
-    block = n * d * e_r + n * 2 * e_r + n * d * e_c + 6 * d * e_c + 4 * h + 2 * f * e_c
-    head = d * e_r + 2 * e_r + d * e_c + v * _FP32 + 2 * _INT64
-    return {
-        "block": block,
-        "head": head,
-        "block_input": d * e_r,
-        "ce_temporaries": 2 * v * _FP32,
-        "block_temporaries": d * e_r + f * e_c,
-    }
-
-
-def _activations(
-    shape: TransformerShape, b: _Bytes, micro_batch_size: int, checkpointing: bool
-) -> tuple[int, float]:
-    """(peak activation bytes, bytes per item) of one micro-batch.
-
-    Without checkpointing the peak is in the loss's backward (everything saved + ``ce``),
-    or, for very wide MLPs, in the top block's backward (head tensors already freed).
-    With checkpointing the forward keeps only each block's input; backward recomputes one
-    block at a time, so the peak is ``(L-1)`` inputs + one block's saved set (which holds
-    its own input) + that block's gradient temporaries, or the head phase if larger.
-    """
-    t = per_token_terms(shape, b)
-    layers = shape.n_layer
-    if checkpointing:
-        head_phase = layers * t["block_input"] + t["head"] + t["ce_temporaries"]
-        block_phase = (layers - 1) * t["block_input"] + t["block"] + t["block_temporaries"]
-    else:
-        head_phase = layers * t["block"] + t["head"] + t["ce_temporaries"]
-        block_phase = layers * t["block"] + t["block_temporaries"]
-    per_token = max(head_phase, block_phase)
-    # cos/sin tables of (seq_len, head_dim), in the residual dtype, shared by all blocks.
-    rope = 2 * shape.seq_len * shape.head_dim * b.residual
-    per_item = per_token * shape.seq_len
-    return round(per_item * micro_batch_size + rope), per_item
-
-
 def _check_args(optimizer: str, micro_batch_size: int, world_size: int) -> None:
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_STATES)}, got {optimizer!r}")
@@ -307,13 +246,20 @@ def _model_states(
     """(params, grads, optimizer state, optimizer-step temporaries) on this device.
 
     ``world`` > 1: FSDP2 shards, per tensor, dim 0 padded to a multiple of ``world``.
-    Temporaries: foreach makes one parameter-sized temporary for the whole list; a loop
-    two of the largest tensor (sqrt(v) and its quotient by the bias correction) at a time.
+    Temporaries: AdamW with foreach makes one parameter-sized temporary for the whole list,
+    its loop two of the largest tensor (sqrt(v) and its quotient by the bias correction) at
+    a time; LAMB holds every parameter's update at once (the trust ratios need all norms
+    first) plus those two; LARS one weight-decayed gradient at a time.
     """
     all_shapes = shape.block_tensors() * shape.n_layer + shape.other_tensors()
     local = _shard_numel(all_shapes, world) if world > 1 else shape.params
     largest = max(math.prod(s) for s in all_shapes)
-    step_tmp = 0 if optimizer in ("sgd", "none") else (local if foreach else 2 * largest)
+    step_tmp = {
+        "adamw": local if foreach else 2 * largest,
+        "adam": local if foreach else 2 * largest,
+        "lamb": local + 2 * largest,
+        "lars": largest,
+    }.get(optimizer, 0)
     opt = OPTIMIZER_STATES[optimizer] * local
     return local * b.param, local * b.param, opt * b.param, step_tmp * b.param
 
@@ -333,6 +279,8 @@ def estimate_step_memory(
     accum_steps: int | None = None,
     sync_each_micro_batch: bool = False,
     foreach: bool = False,
+    dropout: float = 0.0,
+    attention: str = "fused",
 ) -> MemoryEstimate:
     """Predicted bytes per device of one ``Stepper.step`` with micro-batches of
     ``micro_batch_size`` sequences of ``shape.seq_len`` tokens.
@@ -347,8 +295,13 @@ def estimate_step_memory(
     whether the optimizer uses its foreach implementation (torch's default on CUDA; on CPU
     it loops over parameters). ``fixed_bytes``: the runtime's own cost (CUDA context is not
     in ``max_memory_allocated``; on CPU, interpreter + torch: measure it or probe it).
+    ``dropout``: the model's dropout probability (masks are kept when it is > 0);
+    ``attention``: ``"fused"`` or ``"math"`` (what torch runs on CPU with attention
+    dropout: s^2 matrices per head), see :data:`gradstep.memory.activations.ATTENTION`.
     """
     _check_args(optimizer, micro_batch_size, world_size)
+    if attention not in ATTENTION:
+        raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
     e_p = _size(param_dtype)
     e_c = _size(compute_dtype) if compute_dtype is not None else e_p
     e_u = e_c if sharded else e_p
@@ -360,7 +313,9 @@ def estimate_step_memory(
     states = _model_states(shape, sizes, world_size if shards else 1, optimizer, foreach)
     params, grads, opt, step_tmp = states
     accum = shape.params * _size(accum_dtype) if buffered and accum_dtype else 0
-    acts, per_item = _activations(shape, sizes, micro_batch_size, activation_checkpointing)
+    acts, per_item = activations(
+        shape, sizes, micro_batch_size, activation_checkpointing, dropout > 0, attention
+    )
     g_bwd = _grads_in_backward(
         shape,
         sizes,

@@ -20,8 +20,11 @@ from .probe import ProbeResult
 from .units import format_bytes, parse_size
 
 __all__ = [
+    "BudgetTooSmall",
     "Candidate",
     "Plan",
+    "budget_text",
+    "needed_budget",
     "default_step_time",
     "plan_step",
     "probe_step_time",
@@ -33,7 +36,20 @@ CHECKPOINT_FACTOR = 4 / 3
 two forwards, so one recomputed forward adds a third. An upper estimate: the demo model
 on CPU measured 1.15 (bench/memory.py), its backward costing more than two forwards."""
 
-_TIE = 1e-9
+TIE = 0.1
+"""Candidates within this fraction of the fastest predicted throughput are ties, decided by
+a fixed rule (no checkpointing, then the larger micro-batch), not by the timings: on a
+shared CPU the probe's timings move by more than that from run to run, and ``gradstep
+plan`` and ``train --micro-batch-size auto`` must choose the same plan for the same flags."""
+
+
+class BudgetTooSmall(ValueError):
+    """No candidate fits the budget; ``needed_bytes`` is the smallest budget that would
+    hold the smallest candidate with the margin."""
+
+    def __init__(self, message: str, needed_bytes: int) -> None:
+        super().__init__(message)
+        self.needed_bytes = needed_bytes
 
 
 @dataclass(frozen=True)
@@ -68,6 +84,9 @@ class Plan:
     margin: float = 0.1
     per_rank_batch: int = 0
     last_micro_batch_size: int = 0
+    timed: bool = True
+    """False when the step times are not measured (a one-size probe, or none): the speed
+    column then only reflects the default step-time model, and the table leaves it out."""
 
     def to_json(self) -> dict:
         """Plain JSON types; ``candidates`` as dicts."""
@@ -88,7 +107,7 @@ class Plan:
             "on" if c.activation_checkpointing else "off",
             format_bytes(c.predicted_peak_bytes),
             f"{c.predicted_peak_bytes / self.budget_bytes:.0%}",
-            f"{c.relative_throughput:.2f}",
+            f"{c.relative_throughput:.2f}" if self.timed else "-",
             "yes" if c.fits else "no",
         )
 
@@ -108,6 +127,11 @@ class Plan:
         widths = [max(len(r[i]) for r in (cols, *rows)) for i in range(len(cols))]
         lines = [head, "  ".join(h.rjust(w) for h, w in zip(cols, widths, strict=True))]
         lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
+        if not self.timed:
+            lines.append(
+                "speed: not measured (one probe size, or no probe); among the candidates "
+                "that fit, the largest micro-batch without checkpointing is chosen"
+            )
         lines.append(
             f"chosen: micro-batch {self.micro_batch_size} x {self.accum_steps} accumulation "
             f"steps (last {self.last_micro_batch_size}), activation checkpointing "
@@ -184,11 +208,31 @@ def step_predictor(
         delta = estimate(mbs, checkpointing, steps) - estimate(
             mbs, probe_checkpointing, probe_accum_steps
         )
-        # A short last micro-batch is a second shape: on CPU its kernels stay resident.
-        shapes = probe.per_shape_bytes if per_rank_batch and per_rank_batch % mbs else 0
-        return probe.predict(mbs) + delta + shapes + extra_bytes
+        return probe.predict(mbs) + delta + _shape_bytes(probe, mbs, per_rank_batch) + extra_bytes
 
     return predict
+
+
+def _shape_bytes(probe: ProbeResult, mbs: int, per_rank_batch: int | None) -> int:
+    """What input shapes beyond the probe's one keep resident (CPU kernel caches).
+
+    With a shape sweep: its measurement (any number of shapes, the caches bounded).
+    Without: a short last micro-batch is one more shape.
+    """
+    if probe.shapes_run:
+        return probe.shape_bytes
+    return probe.per_shape_bytes if per_rank_batch and per_rank_batch % mbs else 0
+
+
+def needed_budget(peak_bytes: float, margin: float) -> int:
+    """The smallest budget whose usable part (``1 - margin`` of it) holds ``peak_bytes``."""
+    return math.ceil(peak_bytes / (1 - margin))
+
+
+def budget_text(n_bytes: float) -> str:
+    """``n_bytes`` rounded UP to 0.1 MiB, as ``--memory-budget`` accepts it (``"386.5MiB"``):
+    a budget read off a message must hold what the message said."""
+    return f"{math.ceil(n_bytes * 10 / 2**20) / 10:.1f}MiB"
 
 
 def _default_sizes(per_rank: int) -> list[int]:
@@ -250,7 +294,8 @@ def plan_step(
     into ``accum_steps = ceil(per_rank / mbs)`` micro-batches, the last possibly shorter,
     so the global batch stays exact. A candidate fits when its predicted peak is at most
     ``budget * (1 - margin)``. Ties in throughput go to no checkpointing, then to the
-    larger micro-batch. Raises ValueError naming the memory budget when nothing fits.
+    larger micro-batch, and so do candidates within :data:`TIE` of the fastest. Raises
+    ValueError naming the memory budget, and the budget that would fit, when nothing fits.
     """
     budget = parse_size(budget_bytes)
     _check(budget, global_batch, world_size, margin)
@@ -269,15 +314,19 @@ def plan_step(
     fitting = [(c, tp) for c, tp in scored if c.fits]
     if not fitting:
         smallest = min(scored, key=lambda s: s[0].predicted_peak_bytes)[0]
-        raise ValueError(
+        need = needed_budget(smallest.predicted_peak_bytes, margin)
+        raise BudgetTooSmall(
             f"memory budget {format_bytes(budget)} is too small: with a {margin:.0%} safety "
             f"margin {format_bytes(usable)} is usable, and the smallest candidate (micro-batch "
             f"{smallest.micro_batch_size}, activation checkpointing "
             f"{'on' if smallest.activation_checkpointing else 'off'}) needs "
-            f"{format_bytes(smallest.predicted_peak_bytes)} per device"
+            f"{format_bytes(smallest.predicted_peak_bytes)} per device: a budget of at "
+            f"least {budget_text(need)} fits it (that peak with the {margin:.0%} margin); "
+            "or shorten the sequences, shrink the model",
+            need,
         )
     best_tp = max(tp for _, tp in fitting)
-    near = [c for c, tp in fitting if tp >= best_tp * (1 - _TIE)]
+    near = [c for c, tp in fitting if tp >= best_tp * (1 - TIE)]
     chosen = min(near, key=lambda c: (c.activation_checkpointing, -c.micro_batch_size))
     candidates = [
         Candidate(**{**asdict(c), "relative_throughput": tp / best_tp}) for c, tp in scored

@@ -18,27 +18,37 @@ CPU caveat: glibc's malloc raises its mmap threshold after large frees (up to 32
 later tensors come from heap arenas that are not given back, and the peak RSS then depends
 on the allocation history as much as on the live tensors (+40% after a few steps of the
 demo model). :func:`pin_mmap_threshold` fixes the threshold: tensors above it are mapped
-and unmapped, and RSS follows the live bytes.
+and unmapped, and RSS follows the live bytes. oneDNN (bf16 on CPU) also keeps compiled
+kernels per input shape: :func:`bound_kernel_caches` bounds them, and the probe's shape
+sweep measures what they hold when full.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import itertools
-import math
-import resource
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from .fit import _fit_bytes, _fit_mode, _fit_seconds, _predict_next
+from .process import (
+    KERNEL_CACHE_CAPACITY,
+    _device,
+    _is_cuda,
+    bound_kernel_caches,
+    current_bytes,
+    peak_bytes,
+    pin_mmap_threshold,
+    reset_peak,
+    runtime_bytes,
+)
 from .units import format_bytes
 
 __all__ = [
+    "KERNEL_CACHE_CAPACITY",
     "ProbeResult",
+    "bound_kernel_caches",
     "current_bytes",
     "peak_bytes",
     "pin_mmap_threshold",
@@ -47,128 +57,9 @@ __all__ = [
     "runtime_bytes",
 ]
 
-_CLEAR_REFS = "/proc/self/clear_refs"
-_STATUS = "/proc/self/status"
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
-
-CPU_KERNEL_RUNTIME_BYTES = 30 * 2**20
-"""RSS a CPU process gains from its first training steps beyond the tensors and imports:
-code pages of libtorch/oneDNN paged in as kernels first run, thread pools, kernel caches.
-Calibrated with torch 2.13 (CPU, x86-64, demo GPT, 1-2 threads): 24 MiB fp32, 35 MiB bf16,
-independent of the batch. The probe measures it; this is only for the analytic estimate."""
-
-CPU_DYNAMO_IMPORT_BYTES = 69 * 2**20
-"""RSS of ``import torch._dynamo`` (with sympy, mpmath, ...: about 800 modules), which the
-first ``optimizer.step()`` triggers when nothing imported it before (torch 2.13)."""
-
-
-def _device(device: torch.device | str | None) -> torch.device:
-    return torch.device(device) if device is not None else torch.device("cpu")
-
-
-def _is_cuda(dev: torch.device) -> bool:
-    return dev.type == "cuda" and torch.cuda.is_available()
-
-
-def _status_bytes(key: str) -> int | None:
-    try:
-        with open(_STATUS) as status:
-            for line in status:
-                if line.startswith(key):
-                    return int(line.split()[1]) * 1024  # kB
-    except OSError:
-        pass
-    return None
-
-
-def _ru_maxrss_bytes() -> int:
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss if sys.platform == "darwin" else rss * 1024  # bytes on macOS, KiB on Linux
-
-
-def reset_peak(device: torch.device | str | None = None) -> str:
-    """Start a new peak measurement; returns where :func:`peak_bytes` will read it from.
-
-    ``"cuda_max_allocated"``; ``"vmhwm"`` (reset worked); or ``"ru_maxrss (no reset)"``
-    where ``/proc/self/clear_refs`` cannot be written (not Linux, or a locked-down
-    container): the peak is then the process's peak since it started, so only sizes that
-    go up can be told apart.
-    """
-    dev = _device(device)
-    if _is_cuda(dev):
-        torch.cuda.synchronize(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-        return "cuda_max_allocated"
-    try:
-        with open(_CLEAR_REFS, "w") as f:
-            f.write("5")
-    except OSError:
-        return "ru_maxrss (no reset)"
-    return "vmhwm" if _status_bytes("VmHWM:") is not None else "ru_maxrss (no reset)"
-
-
-def peak_bytes(device: torch.device | str | None = None) -> int:
-    """Peak bytes since the last :func:`reset_peak`: CUDA allocator peak, or CPU VmHWM."""
-    dev = _device(device)
-    if _is_cuda(dev):
-        return int(torch.cuda.max_memory_allocated(dev))
-    hwm = _status_bytes("VmHWM:")
-    return hwm if hwm is not None else _ru_maxrss_bytes()
-
-
-def current_bytes(device: torch.device | str | None = None) -> int:
-    """Bytes in use now: CUDA ``memory_allocated``, or the process's RSS on CPU."""
-    dev = _device(device)
-    if _is_cuda(dev):
-        return int(torch.cuda.memory_allocated(dev))
-    rss = _status_bytes("VmRSS:")
-    return rss if rss is not None else _ru_maxrss_bytes()
-
-
-def runtime_bytes(device: torch.device | str | None = None) -> int:
-    """The fixed cost for the analytic estimate, read *before* building the model.
-
-    CPU: the process's RSS now (interpreter, torch, imported modules) plus what the first
-    steps add whatever the batch: :data:`CPU_DYNAMO_IMPORT_BYTES` unless ``torch._dynamo``
-    is already imported, and :data:`CPU_KERNEL_RUNTIME_BYTES`. CUDA: ``memory_allocated``
-    now (the CUDA context and kernel images are outside ``max_memory_allocated``; cuBLAS
-    workspaces are inside it; not calibrated on a GPU here).
-    """
-    dev = _device(device)
-    if _is_cuda(dev):
-        return current_bytes(dev)
-    lazy = CPU_KERNEL_RUNTIME_BYTES
-    if "torch._dynamo" not in sys.modules:
-        lazy += CPU_DYNAMO_IMPORT_BYTES
-    return current_bytes(dev) + lazy
-
-
-def pin_mmap_threshold(threshold_bytes: int = 128 * 1024) -> bool:
-    """Fix glibc's mmap threshold so freed tensors go back to the OS (CPU RSS = live bytes).
-
-    Without it, glibc adapts the threshold upward after every large free and serves later
-    tensors from arenas it keeps, so a CPU process's peak RSS grows with the allocation
-    history, not with what is alive. Affects only allocations made afterwards. Costs page
-    faults on every large allocation. Returns False where unavailable (not glibc).
-    """
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else ctypes.CDLL(None)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, int(threshold_bytes)))
-
-
-def _line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
-    """Least-squares (intercept, slope) of ys on xs; the slope is 0 for a single x."""
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    var = sum((x - mx) ** 2 for x in xs)
-    if var == 0:
-        return my, 0.0
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
-    return my - slope * mx, slope
+SHAPE_SETTLED_BYTES = 2 * 2**20
+"""A new input shape that leaves less than this resident does not grow the kernel caches
+any more (two in a row end the probe's shape sweep)."""
 
 
 @dataclass
@@ -200,6 +91,22 @@ class ProbeResult:
     per_shape_bytes: int = 0
     """CPU: what each further distinct micro-batch shape (a short last micro-batch) adds for
     good (compiled kernels); ``fixed_bytes`` already includes one shape. See _per_shape."""
+    shape_bytes: int = 0
+    """What any number of further input shapes keeps resident beyond ``fixed_bytes``'s one
+    (measured by the shape sweep: the kernel caches filled to their bound), 0 without one."""
+    shapes_run: int = 0
+    """Input shapes the sweep ran (0: no sweep)."""
+    shapes_settled: bool = True
+    """False when the last shapes of the sweep still grew the process: the caches are not
+    bounded (see :func:`bound_kernel_caches`) and ``shape_bytes`` covers only
+    ``shapes_run`` shapes."""
+
+    @property
+    def one_size(self) -> bool:
+        """Only one size was measured (a tight budget): the per-item cost is an upper
+        bound (everything above the baseline charged to the items) and there is no time
+        per item."""
+        return len({p[0] for p in self.points}) < 2
 
     def predict(self, b: int) -> int:
         """Predicted peak bytes of ``run(b)``."""
@@ -211,25 +118,20 @@ class ProbeResult:
     def describe(self) -> str:
         sizes = ", ".join(f"b={b}: {format_bytes(p)} in {s:.2f}s" for b, p, s in self.points)
         note = f"; skipped (over budget) {self.skipped}" if self.skipped else ""
+        if self.one_size:
+            note += "; one size only: the per-item cost is an upper bound"
+        if self.shapes_run:
+            note += (
+                f"; {self.shapes_run} more input shapes keep "
+                f"{format_bytes(self.shape_bytes)} resident"
+            )
+            if not self.shapes_settled:
+                note += " and still grew (kernel caches not bounded)"
         return (
             f"probe ({self.source}): fixed {format_bytes(self.fixed_bytes)} + "
             f"{format_bytes(self.per_item_bytes)}/item [{sizes}]{note}; "
             f"took {self.seconds_total:.1f}s"
         )
-
-
-def _predict_next(b: int, baseline: int, points: list[tuple[int, int, float]]) -> int:
-    """The peak of size ``b`` expected from the sizes measured so far.
-
-    From one point, memory above the baseline is assumed proportional to ``b`` (an upper
-    bound, since part of it is fixed); from two or more, the least-squares line, never
-    below the last measured peak.
-    """
-    if len(points) == 1 or len({p[0] for p in points}) == 1:
-        b0, p0, _ = points[-1]
-        return baseline + math.ceil(max(p0 - baseline, 0) * b / b0)
-    fixed, slope = _line([p[0] for p in points], [p[1] for p in points])
-    return max(round(fixed + max(slope, 0.0) * b), points[-1][1])
 
 
 def _timed_peak(
@@ -253,111 +155,128 @@ def _timed_peak(
     return (b, peak_bytes(dev), clock() - t0), before
 
 
-def _fit_mode(fit: str | None, dev: torch.device) -> str:
-    """``increments`` on CUDA, ``peaks`` on CPU, unless ``fit`` says otherwise.
-
-    The CUDA allocator's counters are live bytes, so ``peak - allocated before`` is the
-    run's own cost, free of whatever earlier sizes left behind. CPU RSS is not: tensors
-    below the mmap threshold come from heap arenas that keep freed memory, so a run reuses
-    pages already counted before it and its increment under-counts (the unsafe side: the
-    demo's bf16 probe saw half the per-item cost). Absolute peaks over-count instead (the
-    safe side): oneDNN compiles and caches kernels per shape (~7 MiB per new shape in bf16),
-    so each larger size also pays for the shapes before it.
-    """
-    if fit is not None:
-        if fit not in ("increments", "peaks"):
-            raise ValueError(f"fit must be None, 'increments' or 'peaks', got {fit!r}")
-        return fit
-    return "increments" if _is_cuda(dev) else "peaks"
-
-
-def _per_shape(befores: list[int], warm_befores: list[int | None]) -> float:
-    """Memory each new shape leaves behind for good, measured, or 0.
-
-    On CPU the first run of a shape compiles and caches kernels (oneDNN with bf16: 7-11 MiB
-    per shape on the test machine; ~0 with fp32), so every larger size also carries the
-    shapes before it, which a line through the peaks would charge to the items (x3 the
-    demo's bf16 per-item cost). The warm-up of a size is that first run: in-use bytes after
-    it minus before it. The first size is left out (it also pays one-time costs). Growth
-    that rises with the size is not a per-shape constant but heap arenas keeping freed
-    memory (glibc's default malloc: +21, +41 MiB for the fp32 demo), and is not corrected;
-    otherwise the smallest growth is used (the smaller correction, the safer prediction).
-    """
-    growth = [
-        after - before
-        for after, before in list(zip(befores, warm_befores, strict=True))[1:]
-        if before is not None
-    ]
-    if len(growth) < 2 or min(growth) <= 0:
-        return 0.0
-    if any(later > 1.1 * earlier for earlier, later in itertools.pairwise(growth)):
-        return 0.0
-    return float(min(growth))
-
-
-def _fit_bytes(
-    points: list[tuple[int, int, float]],
-    befores: list[int],
-    warm_befores: list[int | None],
-    baseline: int,
-    mode: str,
-) -> tuple[float, float, float]:
-    """(fixed, per item, per shape) from the measured points (sizes ascending, distinct).
-
-    ``peaks``: the line through ``peak_k - k * per_shape`` (``k`` = shapes run before size
-    ``k``; see :func:`_per_shape`); the fixed cost includes one shape, as a training run
-    with one micro-batch shape pays. ``increments``: the line through ``peak - in use
-    before``, fixed = in use before the first + the intercept.
-    """
-    xs = [p[0] for p in points]
-    if len(set(xs)) < 2:
-        # One size only: charge everything above the baseline to the items (upper bound).
-        b0, p0, _ = points[-1]
-        return baseline, max(p0 - baseline, 0) / b0, 0.0
-    if mode == "increments":
-        fixed, slope = _line(xs, [p[1] - before for p, before in zip(points, befores, strict=True)])
-        return befores[0] + fixed, slope, 0.0
-    per_shape = _per_shape(befores, warm_befores)
-    fixed, slope = _line(xs, [p[1] - k * per_shape for k, p in enumerate(points)])
-    return fixed, slope, per_shape
-
-
-def _fit_seconds(
-    points: list[tuple[int, int, float]], warmups: list[tuple[int, int, float]]
-) -> tuple[float, float]:
-    """(seconds per micro-batch, seconds per item), both >= 0, from the fastest run of
-    each size (a warm-up of the same size counts: contention only ever adds time).
-
-    Small probe sizes are dominated by fixed costs and noise; a negative intercept or
-    slope is replaced by the least-squares fit of the other term alone.
-    """
-    best: dict[int, float] = {}
-    for b, _, seconds in [*points, *warmups]:
-        best[b] = min(best.get(b, math.inf), seconds)
-    xs, ts = list(best), list(best.values())
-    fixed, slope = _line(xs, ts)
-    if len(xs) < 2 or slope < 0:
-        return sum(ts) / len(ts), 0.0
-    if fixed < 0:
-        return 0.0, sum(t * x for t, x in zip(ts, xs, strict=True)) / sum(x * x for x in xs)
-    return fixed, slope
+def _budget_error(
+    budget: int | None, baseline: int, first: int, estimate: Callable[[int], int] | None
+) -> str | None:
+    """Why probing must not start under ``budget`` (None: it may)."""
+    if budget is None:
+        return None
+    if baseline > budget:
+        return (
+            f"memory budget {format_bytes(budget)} is already exceeded before probing: "
+            f"this process uses {format_bytes(baseline)} (interpreter, torch, data) before "
+            "building the model; the budget must hold that plus the training step"
+        )
+    if estimate is not None and estimate(first) > budget:
+        return (
+            f"memory budget {format_bytes(budget)}: even the smallest probe size "
+            f"b={first} is estimated at {format_bytes(estimate(first))}; not probing; "
+            f"a budget of at least {format_bytes(estimate(first))} is needed"
+        )
+    return None
 
 
 def _check_budget_before(
-    budget: int | None, baseline: int, first: int, estimate: Callable[[int], int] | None
+    budget: int | None,
+    baseline: int,
+    first: int,
+    estimate: Callable[[int], int] | None,
+    agree: Callable[[bool], bool] | None,
 ) -> None:
+    """Raise on every rank together (``agree``) when probing must not start on some rank."""
     if budget is None:
-        return
-    if baseline > budget:
-        raise ValueError(
-            f"memory budget {format_bytes(budget)} is already exceeded before probing "
-            f"({format_bytes(baseline)} in use)"
-        )
-    if estimate is not None and estimate(first) > budget:
-        raise ValueError(
-            f"memory budget {format_bytes(budget)}: even the smallest probe size "
-            f"b={first} is estimated at {format_bytes(estimate(first))}; not probing"
-        )
+        return  # the same on every rank: nothing to agree on
+    error = _budget_error(budget, baseline, first, estimate)
+    ok = error is None if agree is None else agree(error is None)
+    if not ok:
+        raise ValueError(error or "memory budget: another rank cannot start probing within it")
+
+
+@dataclass
+class _Sizes:
+    """What running the probe sizes measured."""
+
+    warmups: list[tuple[int, int, float]] = field(default_factory=list)
+    points: list[tuple[int, int, float]] = field(default_factory=list)
+    befores: list[int] = field(default_factory=list)
+    warm_befores: list[int | None] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)
+
+
+def _run_sizes(
+    run: Callable[[int], None],
+    order: list[int],
+    dev: torch.device,
+    mode: str,
+    baseline: int,
+    budget: int | None,
+    agree: Callable[[bool], bool] | None,
+) -> _Sizes:
+    """Each size (ascending): warm-up (per ``mode``), then the measured run; stop before a
+    size predicted to exceed ``budget`` (every rank the same, through ``agree``)."""
+    out = _Sizes()
+    for i, b in enumerate(order):
+        known = [*out.warmups, *out.points]  # every peak seen so far is evidence
+        fits = budget is None or not known or _predict_next(b, baseline, known) <= budget
+        if agree is not None:
+            fits = agree(fits)
+        if not fits:
+            out.skipped = order[i:]
+            break
+        warm_before = None
+        if mode == "each" or (mode == "first" and i == 0):
+            warm, warm_before = _timed_peak(run, b, dev)
+            out.warmups.append(warm)
+        out.warm_befores.append(warm_before)
+        point, before = _timed_peak(run, b, dev)
+        out.points.append(point)
+        out.befores.append(before)
+    return out
+
+
+def _sweep_shapes(
+    shapes: Callable[[int], None],
+    max_shapes: int,
+    dev: torch.device,
+    first: tuple[int, int, float],
+    first_before: int,
+    budget: int | None,
+    agree: Callable[[bool], bool] | None,
+) -> tuple[int, int, bool]:
+    """(bytes in use after, shapes run, settled) of up to ``max_shapes`` calls
+    ``shapes(i)``; stops after two shapes in a row that left less than
+    :data:`SHAPE_SETTLED_BYTES` (the caches are full) or before one that could exceed
+    ``budget`` (a shape's step costs the smallest size's increment plus its growth). On
+    several ranks (``agree``) every rank runs the same shapes: all go on while one still
+    grows and all fit."""
+    every = agree if agree is not None else (lambda flag: flag)
+    step_cost = max(first[1] - first_before, 0)
+    in_use = current_bytes(dev)
+    growths: list[int] = []
+    for i in range(max_shapes):
+        settled = every(len(growths) >= 2 and max(growths[-2:]) < SHAPE_SETTLED_BYTES)
+        worst = in_use + step_cost + max(growths, default=step_cost)
+        if settled or not every(budget is None or worst <= budget):
+            return in_use, len(growths), settled
+        shapes(i)
+        now = current_bytes(dev)
+        growths.append(now - in_use)
+        in_use = now
+    settled = len(growths) >= 2 and max(growths[-2:]) < SHAPE_SETTLED_BYTES
+    return in_use, len(growths), every(settled)
+
+
+def _shape_bytes(final: int, befores: list[int], per_shape: float) -> int:
+    """What the caches hold when full beyond the fit's fixed cost (which holds one shape).
+
+    Point ``k`` ran with ``k`` shapes more than the first resident, which the fit took out
+    (``k * per_shape``); the lowest such resident level is what the fixed cost stands on.
+    Taking the lowest is the safe side: when the caches are too small for the probe's own
+    sizes (they evict), a line through the peaks bends, and only the resident levels the
+    sizes really ran on bound what a full cache adds.
+    """
+    base = min(before - k * round(per_shape) for k, before in enumerate(befores))
+    return max(final - base, 0)
 
 
 def probe_memory(
@@ -370,6 +289,8 @@ def probe_memory(
     estimate: Callable[[int], int] | None = None,
     agree: Callable[[bool], bool] | None = None,
     fit: str | None = None,
+    shapes: Callable[[int], None] | None = None,
+    max_shapes: int = 8,
 ) -> ProbeResult:
     """Run ``run(b)`` for each of ``sizes`` (ascending), measure its peak, fit the line.
 
@@ -382,7 +303,10 @@ def probe_memory(
     exceed it. ``agree``: on several ranks (each running its collectives inside ``run``),
     called with this rank's "the next size fits", must return every rank's verdict (e.g. an
     all-reduce MIN), so that all ranks run the same sizes instead of deadlocking. ``fit``:
-    see :func:`_fit_mode` (None chooses).
+    see :func:`_fit_mode` (None chooses). ``shapes(i)``: one step (like ``run(1)``) whose
+    input has the ``i``-th of up to ``max_shapes`` further distinct shapes, e.g. the
+    sequence lengths the data will produce; run after the sizes until the memory new
+    shapes leave behind stops growing (``ProbeResult.shape_bytes``).
     """
     dev = _device(device)
     mode = {True: "each", False: "none"}.get(warmup, warmup)  # type: ignore[call-overload]
@@ -394,47 +318,38 @@ def probe_memory(
     fit_mode = _fit_mode(fit, dev)
     source = reset_peak(dev)
     baseline = current_bytes(dev)
-    _check_budget_before(budget_bytes, baseline, order[0], estimate)
+    _check_budget_before(budget_bytes, baseline, order[0], estimate, agree)
     start = time.perf_counter()
-    warmups: list[tuple[int, int, float]] = []
-    points: list[tuple[int, int, float]] = []
-    befores: list[int] = []
-    warm_befores: list[int | None] = []
-    skipped: list[int] = []
-    for i, b in enumerate(order):
-        known = [*warmups, *points]  # every peak seen so far is evidence for the next size
-        fits = (
-            budget_bytes is None or not known or _predict_next(b, baseline, known) <= budget_bytes
-        )
-        if agree is not None:
-            fits = agree(fits)
-        if not fits:
-            skipped = order[i:]
-            break
-        warm_before = None
-        if mode == "each" or (mode == "first" and i == 0):
-            warm, warm_before = _timed_peak(run, b, dev)
-            warmups.append(warm)
-        warm_befores.append(warm_before)
-        point, before = _timed_peak(run, b, dev)
-        points.append(point)
-        befores.append(before)
-    total = time.perf_counter() - start
+    ran = _run_sizes(run, order, dev, mode, baseline, budget_bytes, agree)
+    if not ran.points:
+        raise ValueError(f"no probe size ran: another rank refused b={order[0]} (agree)")
     # Every size skipped is impossible (the first size always runs: nothing predicts it).
-    fixed, slope, per_shape = _fit_bytes(points, befores, warm_befores, baseline, fit_mode)
-    t_fixed, t_item = _fit_seconds(points, warmups if mode == "each" else [])
+    fixed, slope, per_shape = _fit_bytes(
+        ran.points, ran.befores, ran.warm_befores, baseline, fit_mode
+    )
+    shape_bytes, shapes_run, settled = 0, 0, True
+    if shapes is not None and max_shapes > 0:
+        final, shapes_run, settled = _sweep_shapes(
+            shapes, max_shapes, dev, ran.points[0], ran.befores[0], budget_bytes, agree
+        )
+        shape_bytes = _shape_bytes(final, ran.befores, per_shape)
+    total = time.perf_counter() - start
+    t_fixed, t_item = _fit_seconds(ran.points, ran.warmups if mode == "each" else [])
     return ProbeResult(
         fixed_bytes=round(fixed),
         per_item_bytes=round(max(slope, 0.0)),
-        points=points,
+        points=ran.points,
         seconds_total=total,
         source=source,
         seconds_per_micro_batch=t_fixed,
         seconds_per_item=t_item,
         baseline_bytes=baseline,
-        warmup=warmups[0] if warmups else None,
-        skipped=skipped,
+        warmup=ran.warmups[0] if ran.warmups else None,
+        skipped=ran.skipped,
         budget_bytes=budget_bytes,
         fit=fit_mode,
         per_shape_bytes=round(per_shape),
+        shape_bytes=shape_bytes,
+        shapes_run=shapes_run,
+        shapes_settled=settled,
     )

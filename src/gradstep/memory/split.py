@@ -2,19 +2,26 @@
 
 Normalisation is by the global item count, so cutting a micro-batch in two changes nothing
 in the update (to float rounding): the split window's step equals the unsplit one's.
+:class:`OOMAgreement` turns an out-of-memory on any rank into one decision every rank takes
+together (the Stepper's windows and :func:`gradstep_demo.evaluation.evaluate` use it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
 from ..errors import MicroBatchTooLarge
 
 __all__ = [
+    "MAX_HALVINGS",
+    "OOMAgreement",
     "SplitFn",
+    "WindowOOM",
     "batch_size",
     "halve",
     "is_out_of_memory",
@@ -23,6 +30,26 @@ __all__ = [
     "too_large",
     "too_large_error",
 ]
+
+MAX_HALVINGS = 16
+"""Halvings after which a window that still runs out of memory is given up (a custom
+``split_fn`` whose micro-batches never shrink would otherwise double the window forever)."""
+
+OOM_MESSAGES = (
+    "can't allocate memory",  # torch's CPU allocator: RuntimeError ... DefaultCPUAllocator
+    "could not create a primitive",  # oneDNN: no memory for a kernel (its JIT code)
+    "CUDA out of memory",  # older torch, and RuntimeErrors re-raised from CUDA code
+    "CUDA error: out of memory",
+    "std::bad_alloc",  # a C++ allocation failing inside an operator
+)
+"""How the allocators really report running out (torch 2.13, CPU under an address-space
+limit, and CUDA): CUDA's is also a ``torch.OutOfMemoryError``, the others plain
+``RuntimeError``s identified by these texts."""
+
+
+class WindowOOM(Exception):
+    """Some rank ran out of memory in this window: every rank drops it and splits."""
+
 
 SplitFn = Callable[[Any], "tuple[Any, Any]"]
 """Cut one micro-batch into two along its batch dimension. A one-item micro-batch becomes
@@ -79,10 +106,11 @@ def rows(mb: Any) -> int | None:
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
-    """CUDA's OutOfMemoryError, and the CPU allocator's failure (a plain RuntimeError)."""
-    if isinstance(exc, torch.OutOfMemoryError):
+    """CUDA's ``OutOfMemoryError``, Python's ``MemoryError``, and the ``RuntimeError``s of
+    :data:`OOM_MESSAGES` (the CPU allocator's, oneDNN's kernel creation)."""
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
         return True
-    return isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in OOM_MESSAGES)
 
 
 def halve(micro_batches: list[Any], split_fn: SplitFn, times: int) -> list[Any]:
@@ -107,9 +135,80 @@ def too_large(micro_batches: list[Any]) -> bool:
     return all(n is not None and n <= 1 for n in sizes)
 
 
-def too_large_error(halvings: int) -> MicroBatchTooLarge:
+def too_large_error(halvings: int, last_error: str | None = None) -> MicroBatchTooLarge:
+    said = f" (the last error: {last_error})" if last_error else ""
     return MicroBatchTooLarge(
         f"on_oom='split': after {halvings} halvings, micro-batches of one item still do not "
-        "fit in the memory this process has; shorten the sequences, shrink the model, "
+        f"fit in the memory this process has{said}; shorten the sequences, shrink the model, "
         "checkpoint activations, or allow more memory"
     )
+
+
+class OOMAgreement:
+    """Out-of-memory turned into one decision that every rank takes together.
+
+    Every agreement point is the same one-number all-reduce (``all_reduce_sum``): after each
+    guarded forward and backward (:meth:`guard`), and, where forwards communicate (FSDP2's
+    all-gathers), before each communicating module's forward (:meth:`before_forwards`). A
+    rank that fails early therefore meets its peers at their next agreement point, never
+    inside an all-gather or a gradient reduction. Every rank must pass the same number of
+    points: the same number of micro-batches per window.
+    """
+
+    def __init__(self, all_reduce_sum: Callable[[torch.Tensor], torch.Tensor], world: int):
+        self._sum, self.world_size = all_reduce_sum, world
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget this rank's failure (at the start of every attempt)."""
+        self.failed_rows: int | None = None
+        """Items of the micro-batch that ran out of memory here (None: none did, or unknown)."""
+        self.failed = False
+        self.last_error: str | None = None
+        """The failure's text: only text, so that no frame (and tensor) outlives it."""
+
+    @contextlib.contextmanager
+    def guard(self, micro_batch: Any = None) -> Iterator[None]:
+        """Run the body; out-of-memory in it (here or on any rank) raises :class:`WindowOOM`
+        on every rank at the end of the body, any other error propagates."""
+        failed = False
+        try:
+            yield
+        except WindowOOM:
+            raise
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+            failed = True
+            self.failed, self.failed_rows = True, rows(micro_batch)
+            first_line = (str(exc).splitlines() or [""])[0][:200]
+            self.last_error = f"{type(exc).__name__}: {first_line}"
+        self.agree(failed)
+
+    def agree(self, failed: bool) -> None:
+        """Raise :class:`WindowOOM` on every rank when any rank says it ran out."""
+        if self.world_size > 1:
+            flag = torch.tensor([float(failed)], dtype=torch.float64)
+            failed = bool(self._sum(flag).item() > 0)
+        if failed:
+            raise WindowOOM
+
+    @contextlib.contextmanager
+    def before_forwards(self, modules: Sequence[nn.Module]) -> Iterator[None]:
+        """An agreement point before the forward of each of ``modules``."""
+        hook = lambda module, args: self.agree(False)  # noqa: E731
+        handles = [m.register_forward_pre_hook(hook, prepend=True) for m in modules]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    def stuck(self) -> bool:
+        """Every rank's verdict (a collective): some rank ran out of memory in a micro-batch
+        of at most one item, which no split can shrink."""
+        here = self.failed and self.failed_rows is not None and self.failed_rows <= 1
+        if self.world_size == 1:
+            return here
+        flag = torch.tensor([float(here)], dtype=torch.float64)
+        return bool(self._sum(flag).item() > 0)

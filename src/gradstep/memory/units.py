@@ -26,6 +26,7 @@ _UNITS = {
 }
 _ALLOWED = "B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024)"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]+)\s*$")
+_EXPONENT = re.compile(r"^\s*[\d.]+[eE][+-]?\d+\s*[A-Za-z]*\s*$")
 
 
 def parse_size(text: str | int) -> int:
@@ -42,6 +43,11 @@ def parse_size(text: str | int) -> int:
             raise ValueError(f"memory budget must be > 0 bytes, got {text}")
         return text
     match = _SIZE.match(text) if isinstance(text, str) else None
+    if match is None and isinstance(text, str) and _EXPONENT.match(text):
+        raise ValueError(
+            f"memory budget {text!r}: exponents are not accepted; write the number out with "
+            f"a unit, e.g. '8GiB' or '1.5GB'; units: {_ALLOWED}"
+        )
     if match is None:
         raise ValueError(
             f"memory budget {text!r} is not a size: write a number and a unit, e.g. '8GiB' "

@@ -1,0 +1,46 @@
+"""Out-of-memory as the allocators really report it, under a real address-space limit.
+
+A child process (``real_oom_child.py``) warms up, takes an unlimited reference step, then
+caps ``RLIMIT_AS`` a little above what it uses and takes the same step with
+``Stepper(on_oom="split")``. Under the cap torch's CPU allocator fails (``RuntimeError:
+... DefaultCPUAllocator: can't allocate memory``) and so does oneDNN when it creates a
+kernel for the new, halved shape (``RuntimeError: could not create a primitive``; every
+bf16 case failed this way before gradstep recognised it). The window must be split and its
+update must equal the reference's: fp32 to 1e-5 (relative, whole update; only the
+summation order over micro-batches differs), bf16 autocast to 5e-3 (its matmuls round
+per micro-batch; bf16's epsilon is 7.8e-3).
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+CHILD = Path(__file__).with_name("real_oom_child.py")
+TOLERANCE = {"fp32": 1e-5, "bf16": 5e-3}
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or not hasattr(resource, "RLIMIT_AS"),
+    reason="needs Linux's RLIMIT_AS and /proc/self/status",
+)
+@pytest.mark.timeout(180)
+def test_a_real_out_of_memory_splits_the_window_and_keeps_the_update():
+    proc = subprocess.run(
+        [sys.executable, str(CHILD), *TOLERANCE],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        cwd=CHILD.parents[2],
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]  # e.g. an unrecognised RuntimeError
+    outcome = json.loads(proc.stdout.strip().splitlines()[-1])
+    for precision, tol in TOLERANCE.items():
+        got = outcome[precision]
+        assert got["splits"], (precision, got)  # the limit really made it split
+        assert got["rel_err"] < tol, (precision, got)
