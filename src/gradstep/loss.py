@@ -28,7 +28,9 @@ class LossSum:
     step is their MEAN over every micro-batch of the window on every rank, while
     ``total / count`` stays the item-weighted mean. The step's gradient is that of
     ``sum(total) / sum(count) + mean(aux)``; weighting it needs the window's item count
-    before the first backward: ``stepper.step(window, loss_fn, count=fn)``.
+    before the first backward: ``stepper.step(window, loss_fn, count=fn)``. Every
+    micro-batch of the window, on every rank, returns the same names (a zero term where
+    one does not apply): a term missing somewhere is an error, not a mean over fewer.
 
     ``count=None`` means "as ``count(micro_batch)`` said": with ``step(..., count=fn)``
     the items are counted up front (as a hand-written loop does), and the loss function

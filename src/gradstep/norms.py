@@ -40,6 +40,10 @@ class EarlyNorm:
     later record of a parameter replaces the earlier, which happens when a gradient is
     final more than once, e.g. under reentrant checkpointing).
 
+    A parameter the last micro-batch did not use (a branch or an expert that only earlier
+    micro-batches took) fires no hook in that backward, yet holds their gradient: its norm
+    is taken from ``.grad`` in :meth:`local`, as the pass after backward would.
+
     They are combined in the parameters' order, not in the order they became final: the
     order of DDP's buckets changes after its first iteration (and again after a resume),
     and a sum in another order rounds differently, which would break a bitwise resume.
@@ -47,7 +51,8 @@ class EarlyNorm:
 
     def __init__(self, norm_type: float, params: Sequence[nn.Parameter]) -> None:
         self.norm_type = norm_type
-        self.order = {id(p): i for i, p in enumerate(params)}
+        self.params = list(params)
+        self.order = {id(p): i for i, p in enumerate(self.params)}
         self.parts: dict[int, torch.Tensor] = {}
         self.armed = False
         """True once the strategy's hooks were in place for the last backward."""
@@ -55,11 +60,20 @@ class EarlyNorm:
     def record(self, param: nn.Parameter, grad: torch.Tensor) -> None:
         # At least float32, as torch's own norm of a half-precision gradient is not.
         wide = torch.promote_types(grad.dtype, torch.float32)
-        norm = torch.linalg.vector_norm(grad, self.norm_type, dtype=wide)
+        if grad.numel() == 0:  # an empty shard (FSDP2, a parameter smaller than the ranks)
+            norm = torch.zeros((), dtype=wide, device=grad.device)  # the inf-norm raises
+        else:
+            norm = torch.linalg.vector_norm(grad, self.norm_type, dtype=wide)
         self.parts[self.order[id(param)]] = norm
 
     def local(self, device: torch.device) -> torch.Tensor:
-        """The norm over every recorded part on this rank."""
+        """The norm over every gradient on this rank: the recorded parts, and the
+        gradients of parameters the last backward did not reach."""
+        missing = len(self.parts) < len(self.params)  # usually none: no loop
+        for i, p in enumerate(self.params if missing else ()):
+            if i not in self.parts and p.grad is not None:
+                grad = p.grad
+                self.record(p, grad.to_local() if hasattr(grad, "to_local") else grad)
         if not self.parts:
             return torch.zeros((), device=device)
         return combine([self.parts[i] for i in sorted(self.parts)], self.norm_type)

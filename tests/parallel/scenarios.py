@@ -135,7 +135,10 @@ class CollectiveSpy:
             setattr(module, name, fn)
 
 
-_TOTALS = ("all_reduce", 6, torch.float64)  # the Stepper's one all-reduce of the window
+# The Stepper's one all-reduce of the window: loss sum, items, negative counts, count
+# mismatches, n, n^2, mixed aux names, and the aux names' fingerprint (6 numbers).
+WINDOW_NUMBERS = 13
+_TOTALS = ("all_reduce", WINDOW_NUMBERS, torch.float64)
 
 
 def _is_backend(caller: str) -> bool:
@@ -193,7 +196,7 @@ def parity_run(
     value: float | None = None,
 ) -> dict[str, Any]:
     """``steps`` optimizer steps on this rank's share of ``data``; per step the stats,
-    the full gradients after the step, gradient collectives and 5-scalar all-reduces."""
+    the full gradients after the step, gradient collectives and the window's all-reduces."""
     model, _, stepper, counter = _setup(
         strategy, max_norm, sync_each, dtype, precision, norm_type, value
     )

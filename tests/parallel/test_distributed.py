@@ -129,7 +129,7 @@ def test_norm_clip_and_loss_identical_on_every_rank(runs: dict) -> None:
 
 def test_one_gradient_reduction_per_optimizer_step_whatever_k(runs: dict) -> None:
     """k = 3 (float64) and k = 5 (float32): one all-reduce per DDP bucket / one
-    reduce-scatter per FSDP2 group per step, plus the Stepper's one 5-scalar all-reduce."""
+    reduce-scatter per FSDP2 group per step, plus the Stepper's one all-reduce of the window."""
     strategy = runs["strategy"]
     for res in runs["ranks"]:
         for run, dtype in (("fp64", torch.float64), ("fp32", torch.float32)):
@@ -146,10 +146,11 @@ def test_every_collective_of_a_step_is_accounted_for(runs: dict) -> None:
     """Every collective a step issues from Python, whatever its shape or dtype
     (``scenarios.CollectiveSpy`` wraps every ``torch.distributed`` collective and DTensor's
     functional ones). DDP: the backend's gradient all-reduce (one bucket, through its comm
-    hook) and exactly ONE other collective, the Stepper's 5-number float64 all-reduce.
+    hook) and exactly ONE other collective, the Stepper's float64 all-reduce of the window
+    (sc.WINDOW_NUMBERS).
     FSDP2: besides the backend's own all-gathers and reduce-scatters (one per group and
     sync, counted separately), exactly the window-length check (2 float64: its forward
-    communicates), the 6-number totals and ONE reduction for the norm: of this rank's shard
+    communicates), the window's totals and ONE reduction for the norm: of this rank's shard
     norm (1 float64) when it was measured during backward, else DTensor's."""
     strategy = runs["strategy"]
     f64 = torch.float64
@@ -161,12 +162,15 @@ def test_every_collective_of_a_step_is_accounted_for(runs: dict) -> None:
                 own_small = Counter(c[:3] for c in own if not c[0].startswith("funcol."))
                 dtensor = [c for c in own if c[0].startswith("funcol.")]
                 if strategy == "ddp":
-                    assert own_small == {("all_reduce", 6, f64): 1}, (where, own)
+                    assert own_small == {("all_reduce", sc.WINDOW_NUMBERS, f64): 1}, (where, own)
                     assert dtensor == [], where
                     assert [c[0] for c in backend] == ["all_reduce"] * step["comm_calls"], where
                     continue
                 in_backward = own_small.pop(("all_reduce", 1, f64), 0)
-                assert own_small == {("all_reduce", 2, f64): 1, ("all_reduce", 6, f64): 1}, (
+                assert own_small == {
+                    ("all_reduce", 2, f64): 1,
+                    ("all_reduce", sc.WINDOW_NUMBERS, f64): 1,
+                }, (
                     where,
                     own,
                 )

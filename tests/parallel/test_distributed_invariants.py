@@ -140,7 +140,7 @@ def test_fp16_first_window_all_reduces_the_prescale_once(runs: dict) -> None:
     """The fp16 pre-scale is measured once, in the first window (one float64 number over
     the ranks); later windows issue only the step's usual small collectives."""
     f64 = torch.float64
-    usual = {("all_reduce", 6, f64): 1}
+    usual = {("all_reduce", sc.WINDOW_NUMBERS, f64): 1}
     if runs["strategy"] == "fsdp":
         usual[("all_reduce", 2, f64)] = 1  # its forward communicates: the window check
     for rank, res in enumerate(_case(runs, "fp16")):

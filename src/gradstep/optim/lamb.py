@@ -70,11 +70,16 @@ class LAMB(Optimizer):
         corrected_weight_decay: bool = False,
         foreach: bool | None = None,
     ) -> None:
-        if (
-            max_grad_norm is not None
-            and _checks.number(_OWNER, "max_grad_norm", max_grad_norm) == 0
-        ):
-            raise ValueError(f"{_OWNER}: max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
+        if max_grad_norm is not None:
+            try:
+                bad = _checks.number(_OWNER, "max_grad_norm", max_grad_norm) == 0
+            except (TypeError, ValueError):
+                bad = True
+            if bad:
+                raise ValueError(
+                    f"{_OWNER}: max_grad_norm must be a finite number > 0 or None, got "
+                    f"{max_grad_norm!r}"
+                )
         defaults = dict(
             lr=lr,
             bias_correction=bias_correction,
@@ -94,9 +99,15 @@ class LAMB(Optimizer):
             foreach=_checks.optional_flag(_OWNER, "foreach", foreach),
         )
         _check_group(defaults)
-        super().__init__(params, defaults)
+        super().__init__(_checks.params(_OWNER, params), defaults)
         for group in self.param_groups:
             _check_group(group)
+            if group["max_grad_norm"] != max_grad_norm:
+                raise ValueError(
+                    f"{_OWNER}: max_grad_norm clips one global norm over every group: set it "
+                    f"on {_OWNER}(...), not in a param group (got {group['max_grad_norm']!r} "
+                    f"in a group, {max_grad_norm!r} for the optimizer)"
+                )
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)

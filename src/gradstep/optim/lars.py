@@ -81,7 +81,7 @@ class LARS(Optimizer):
             foreach=_checks.optional_flag(_OWNER, "foreach", foreach),
         )
         _check_group(defaults)
-        super().__init__(params, defaults)
+        super().__init__(_checks.params(_OWNER, params), defaults)
         for group in self.param_groups:  # a group may override any of the defaults
             _check_group(group)
 
