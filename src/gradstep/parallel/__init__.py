@@ -4,6 +4,7 @@
 - :mod:`.local`, :mod:`.ddp`, :mod:`.fsdp2`: one file per strategy;
 - :mod:`.collectives`: the one ``unwrap``, "is a group up", the collective device, sums;
 - :mod:`.setup`: ``init`` from torchrun, ``prepare_model``, ``shutdown``;
+- :mod:`.failures`: ``collective_failure``, the message for a rank that is stuck or gone;
 - :mod:`.instrumentation`: counting gradient collectives, for tests and benchmarks only.
 
 :func:`strategy_for` detects the strategy from the model's wrapper; ``Stepper(...,
@@ -31,13 +32,13 @@ from .collectives import (
     world_size,
 )
 from .ddp import DDPStrategy
+from .failures import TIMEOUT_RANGE_S, collective_failure
 from .fsdp2 import FSDP2Strategy
 from .local import LocalStrategy
 from .setup import (
     BACKENDS,
     STRATEGIES,
     DistEnv,
-    collective_failure,
     find_blocks,
     init,
     launched_by_torchrun,
@@ -50,6 +51,7 @@ from .setup import (
 __all__ = [
     "BACKENDS",
     "STRATEGIES",
+    "TIMEOUT_RANGE_S",
     "DDPStrategy",
     "DistEnv",
     "FSDP2Strategy",

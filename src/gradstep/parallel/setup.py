@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import os
 import sys
 from collections.abc import Iterator
@@ -33,6 +34,8 @@ from torch import nn
 from ..precision import PRECISIONS
 from . import collectives
 from .collectives import is_initialized
+from .failures import check_timeout, remember_timeout
+from .fsdp2 import release_dtensor_caches
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -112,16 +115,17 @@ def init(
         device: ``None``/``"auto"`` (CUDA when available, else CPU), ``"cpu"``, ``"cuda"``
             (this process's GPU, ``cuda:LOCAL_RANK``) or an explicit device.
         backend: ``"auto"`` picks NCCL for CUDA and gloo for CPU.
-        timeout_s: collective timeout; a rank that never joins a collective then raises
-            after this long instead of waiting for torch's default (30 minutes for gloo).
+        timeout_s: collective timeout in seconds, from 1 to 604800 (7 days); a rank that
+            never joins a collective then raises after this long instead of waiting for
+            torch's default (30 minutes for gloo, 10 for NCCL). :func:`collective_failure`
+            turns that error into a message naming it.
 
     Outside torchrun this starts nothing and returns rank 0 of a world of 1, so one script
     runs both ways. Calling it again after the group exists just describes the group.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
-    if timeout_s is not None and not timeout_s > 0:
-        raise ValueError(f"timeout_s must be None or a number > 0, got {timeout_s!r}")
+    check_timeout(timeout_s)
     local = _env_int("LOCAL_RANK") if "LOCAL_RANK" in os.environ else 0
     dev = resolve_device(device, local)
     if is_initialized():
@@ -138,26 +142,22 @@ def init(
         torch.cuda.set_device(dev)
     kwargs = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
     dist.init_process_group(chosen, **kwargs)
+    remember_timeout(timeout_s)
     return DistEnv(dist.get_rank(), dist.get_world_size(), local, dev, chosen)
 
 
-def collective_failure(exc: BaseException) -> str | None:
-    """A one-line gradstep message when ``exc`` is a collective that failed or timed out
-    (a rank stuck or gone), else None."""
-    if isinstance(exc, torch.distributed.DistBackendError):
-        return (
-            "a collective failed or timed out (a rank is stuck or gone; "
-            f"--collective-timeout sets how long to wait): {exc}"
-        )
-    return None
-
-
 def shutdown(barrier: bool = True) -> None:
-    """Barrier, then destroy the process group; a no-op without one.
+    """Barrier, then destroy the process group and its backend; a no-op without one.
 
     The barrier keeps a fast rank from tearing its connections down while another is still
     in its last collective: gloo then sometimes aborts the slower process at exit. Pass
     ``barrier=False`` when leaving on an error: the other ranks may never reach it.
+
+    Before destroying, what still holds the group once training is over is released
+    (garbage: an FSDP2 model from a finished function, in reference cycles; DTensor's
+    caches of the FSDP2 mesh), so the backend's threads and connections end here, while
+    the interpreter is whole, not at its exit (a rare SIGABRT there). A model you still
+    reference keeps the group alive: drop it (``del model``) before calling this.
     """
     if not is_initialized():
         return
@@ -165,6 +165,8 @@ def shutdown(barrier: bool = True) -> None:
         if barrier:
             dist.barrier()
     finally:
+        release_dtensor_caches()
+        gc.collect()
         dist.destroy_process_group()
 
 
