@@ -16,7 +16,9 @@ CONFIG = MixtralConfig(
     vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False,
     num_local_experts=4, num_experts_per_tok=2,
-    output_router_logits=True, router_aux_loss_coef=0.02,  # without these: no aux_loss
+    # Released MoE configs ship output_router_logits=False: then causal_lm_loss adds the
+    # router term only when asked, causal_lm_loss(model, batch, aux_coef=0.02).
+    output_router_logits=True, router_aux_loss_coef=0.02,
 )  # fmt: skip
 
 

@@ -223,6 +223,13 @@ def test_scale_lr_rules():
     assert gradstep.scale_lr is scale_lr
 
 
+@pytest.mark.parametrize("lr", [-1e-3, -1e-300, float("nan"), float("inf"), True])
+def test_scale_lr_refuses_an_lr_that_is_not_a_finite_number_ge_0(lr):
+    with pytest.raises(ValueError, match=r"scale_lr: lr must be a finite number >= 0"):
+        scale_lr(lr, 2, 1, "linear")
+    assert scale_lr(0.0, 2, 1, "linear") == 0.0
+
+
 # ------------------------------------------------------------ 2 gloo ranks, real runs
 
 RANK_STEPS = 400

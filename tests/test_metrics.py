@@ -8,8 +8,11 @@ batch mean or a post-clip norm would fail, not just a sink that dropped a step.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import math
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -164,6 +167,42 @@ def test_jsonl_is_strict_json_and_appends(tmp_path: Path) -> None:
         {"ok": 2},
     ]
     assert "NaN" not in lines[0] and "Infinity" not in lines[0]
+
+
+FULL_DISK_CHILD = """
+import errno, json, resource, signal, sys
+from gradstep import StepStats
+from gradstep.metrics import MetricsLogger
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+stats = StepStats(loss=1.0, items=10, micro_batches=1, grad_norm=1.0, clip_coef=1.0,
+                  clipped=False, skipped=False, lr=0.1, step=1)
+resource.setrlimit(resource.RLIMIT_FSIZE, (2000, resource.RLIM_INFINITY))
+logged = 0
+try:
+    with MetricsLogger(sys.argv[1]) as logger:
+        for _ in range(100):
+            logger.log_step(stats, 0.1)
+            logged += 1
+except OSError as exc:
+    print(json.dumps({"errno": exc.errno, "filename": exc.filename, "text": str(exc),
+                      "logged": logged}))
+"""
+
+
+def test_a_full_disk_names_the_metrics_file(tmp_path: Path) -> None:
+    """N119: with the file-size limit hit, the message was ``[Errno 27] File too large``
+    without the file. Real limit (RLIMIT_FSIZE), in a child process."""
+    cmd = [sys.executable, "-c", FULL_DISK_CHILD, str(tmp_path)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout.splitlines()[-1])
+    path = str(tmp_path / "metrics.jsonl")
+    assert out["errno"] == errno.EFBIG and out["filename"] == path
+    assert path in out["text"] and 0 < out["logged"] < 100
+    # What reached the file is whole records plus at most one cut line (report skips it).
+    lines = (tmp_path / "metrics.jsonl").read_text().split("\n")
+    assert all(json.loads(line)["step"] == 1 for line in lines[:-1])
+    assert len(lines) - 1 <= out["logged"]
 
 
 def test_peak_memory_is_in_mib() -> None:

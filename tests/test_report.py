@@ -12,11 +12,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from matplotlib.lines import Line2D
 
 import gradstep
 from gradstep.metrics import MetricsLogger
-from gradstep.report import PLOTS, ReportError, build_figures, load_run, write_report
+from gradstep.report import (
+    PLOTS,
+    ReportError,
+    build_figures,
+    latest_records,
+    load_run,
+    write_report,
+)
 from gradstep_demo.cli import main
 from tests.support.batches import make_window
 from tests.support.models import TinyLM
@@ -35,7 +44,7 @@ def synthetic_records(n: int = 8, scale: float = 1.0) -> list[dict]:
         row = {
             "loss": 3.0 / i, "items": 100 + i, "micro_batches": 4,
             "grad_norm": None if skipped else norm, "clip_coef": coef, "clipped": clipped,
-            "skipped": skipped, "lr": 1e-3 * i, "step": i - (i > 5),
+            "skipped": skipped, "lr": 1e-3 * i, "step": i - (i >= 5),
             "skip_reason": "non-finite gradient norm" if skipped else None,
             "clip_threshold": None if skipped else 2.0,
             "post_clip_norm": None if skipped else norm * coef, "loss_scale": None,
@@ -173,6 +182,70 @@ def test_corrupt_middle_line_is_an_error_naming_the_line(tmp_path: Path) -> None
     (run / "metrics.jsonl").write_text("\n".join(text) + "\n")
     with pytest.raises(ReportError, match=r"metrics\.jsonl:2"):
         load_run(run)
+
+
+def test_a_json_array_line_is_named_in_json_terms(tmp_path: Path) -> None:
+    """N110: the message said ``got <class 'list'>``."""
+    run = write_run(tmp_path / "arr", synthetic_records(2), tail="[1, 2]\n")
+    with pytest.raises(
+        ReportError, match=r"metrics\.jsonl:3: expected a JSON object, got a JSON array$"
+    ):
+        load_run(run)
+
+
+def test_lines_copied_twice_report_each_step_once(tmp_path: Path) -> None:
+    """N112: every line duplicated made a 4-step run report 8 steps and 8 clipped."""
+    rows = synthetic_records(4)
+    run = load_run(write_run(tmp_path / "dup", rows + rows))
+    assert run.records == rows and run.replaced == 4
+    page = write_report([run.path]).read_text()
+    cells = re.findall(r"<td>([^<]*)</td>", page)
+    assert cells[1:2] == ["4"] and "4 earlier record(s) replaced" in page
+    assert cells[4] == str(sum(r["clipped"] for r in rows))
+
+
+@st.composite
+def run_logs(draw: st.DrawFn) -> list[dict]:
+    """What a Stepper logs: one record per window, ``step`` = steps taken so far (a
+    skipped window keeps the step before it). At least one step is taken."""
+    skips = draw(st.lists(st.booleans(), min_size=1, max_size=10).filter(lambda s: not all(s)))
+    taken, rows = 0, []
+    for window, skipped in enumerate(skips, start=1):
+        taken += not skipped
+        rows.append({"window": window, "step": taken, "skipped": skipped, "attempt": 1})
+    return rows
+
+
+@given(log=run_logs())
+def test_a_log_without_repeats_is_reported_as_written(log: list[dict]) -> None:
+    assert latest_records(log) == (log, 0)
+
+
+@given(log=run_logs())
+def test_a_log_written_twice_counts_once_and_the_later_copy_wins(log: list[dict]) -> None:
+    later = [{**r, "attempt": 2} for r in log]
+    assert latest_records(log + later) == (later, len(log))
+
+
+@given(log=run_logs(), data=st.data())
+def test_a_resume_appended_to_an_uncut_log_replaces_what_it_reran(log: list[dict], data) -> None:  # noqa: ANN001
+    """A run resumed from the checkpoint after window ``c``, its log not cut back (the
+    library's MetricsLogger(append=True) leaves that to the caller), killed after window
+    ``m >= c``: every step is taken once, by the rerun after the checkpoint. Only skipped
+    windows at the checkpoint's step are ambiguous (consecutive skips look alike), so the
+    claim leaves those out; nothing is lost or invented."""
+    n = len(log)
+    c = data.draw(st.integers(0, n - 1), label="checkpoint after window")
+    m = data.draw(st.integers(c, n), label="killed after window")
+    rerun = [{**r, "attempt": 2} for r in log[c:]]
+    kept, dropped = latest_records(log[:m] + rerun)
+    at_checkpoint = log[c - 1]["step"] if c else 0
+
+    def clear(rows: list[dict]) -> list[dict]:
+        return [r for r in rows if not (r["skipped"] and r["step"] == at_checkpoint)]
+
+    assert clear(kept) == clear(log[:c] + rerun)
+    assert len(kept) + dropped == m + len(rerun) and kept[-len(rerun) :] == rerun
 
 
 def test_cli_errors_are_clear(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

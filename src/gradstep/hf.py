@@ -3,7 +3,9 @@
 ``stepper.step(window, causal_lm_loss, count=count_tokens)`` trains any
 ``AutoModelForCausalLM`` (plain, PEFT-wrapped, DDP or FSDP2) on batches of HF's shape:
 ``input_ids``, optional ``attention_mask`` (right or left padding), and ``labels`` in HF's
-*unshifted* convention (``labels[t]`` is the token at position ``t``; -100 is ignored).
+*unshifted* convention (``labels[t]`` is the token at position ``t``; -100 is ignored), or
+HF's ``shift_labels`` (already aligned with the logits: ``shift_labels[t]`` is the target
+of position ``t``).
 
 Why a helper: every way of getting this wrong is silent. Forgetting the shift passes every
 shape check; counting the unshifted labels is one token per sequence off; HF's mean loss
@@ -21,13 +23,29 @@ from typing import Any
 import torch
 from torch import nn
 
+from .errors import GradstepError
 from .loss import LossSum, token_loss
 from .parallel import unwrap
 
-__all__ = ["IGNORE_INDEX", "causal_lm_loss", "causal_lm_targets", "count_tokens"]
+__all__ = [
+    "FORWARDED_KEYS",
+    "IGNORE_INDEX",
+    "BatchError",
+    "causal_lm_loss",
+    "causal_lm_targets",
+    "count_tokens",
+]
 
 IGNORE_INDEX = -100
 AUX_NAME = "router"
+FORWARDED_KEYS = ("input_ids", "attention_mask", "position_ids", "token_type_ids")
+"""Batch keys :func:`causal_lm_loss` passes to the model when present (``labels`` and
+``shift_labels`` it consumes itself; every other key is left out of the call)."""
+
+
+class BatchError(GradstepError, ValueError):
+    """A micro-batch :mod:`gradstep.hf` cannot train on; the message names the key and
+    what it must hold."""
 
 
 def _tensor(batch: Mapping[str, Any], key: str, required: bool = True) -> torch.Tensor | None:
@@ -40,31 +58,61 @@ def _tensor(batch: Mapping[str, Any], key: str, required: bool = True) -> torch.
     if value is None and required:
         raise KeyError(f"gradstep.hf: the micro-batch has no {key!r}; it holds {sorted(batch)}")
     if value is not None and (not isinstance(value, torch.Tensor) or value.dim() != 2):
-        raise ValueError(
+        raise BatchError(
             f"gradstep.hf: batch[{key!r}] must be a 2-dim tensor (batch, sequence), got "
             f"{getattr(value, 'shape', type(value).__name__)}"
         )
     return value
 
 
+def _integer(key: str, value: torch.Tensor) -> torch.Tensor:
+    """``value`` as token ids; a float or bool tensor is refused (its dtype is metadata:
+    checking it costs no device sync)."""
+    if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+        raise BatchError(
+            f"gradstep.hf: batch[{key!r}] must hold integer token ids (torch.long), got "
+            f"{value.dtype}; convert it with .long()"
+        )
+    return value
+
+
+def _labels(batch: Mapping[str, Any], shifted: bool) -> tuple[str, torch.Tensor, bool]:
+    """(key, labels, aligned): HF's ``shift_labels`` when the batch has them (already
+    aligned with the logits, as in HF's own loss, which then ignores ``labels``), else
+    ``labels``, aligned when ``shifted``."""
+    if isinstance(batch, Mapping) and batch.get("shift_labels") is not None:
+        return "shift_labels", _integer("shift_labels", _tensor(batch, "shift_labels")), True
+    if isinstance(batch, Mapping) and batch.get("labels") is None:
+        raise KeyError(
+            f"gradstep.hf: the micro-batch has no 'labels' (or 'shift_labels'); it holds "
+            f"{sorted(batch)}"
+        )
+    return "labels", _integer("labels", _tensor(batch, "labels")), shifted
+
+
 def causal_lm_targets(batch: Mapping[str, Any], *, shifted: bool = False) -> torch.Tensor:
-    """The target of every logit position: shape ``(batch, seq - 1)`` (``seq`` if shifted).
+    """The target of every logit position: shape ``(batch, seq - 1)`` (``seq`` if aligned).
 
     ``targets[:, t]`` is what position ``t`` predicts, ``labels[:, t + 1]``, or -100 when
     that label is ignored, when position ``t + 1`` is padding, or when position ``t`` itself
     is padding: with left padding the last pad would otherwise "predict" the first real
-    token. ``shifted=True``: ``labels`` are already aligned with the logits (gradstep's own
-    demo data); only the attention mask is applied.
+    token. Labels already aligned with the logits (a ``shift_labels`` key, HF's name, or
+    ``labels`` with ``shifted=True``) get the same mask rule; the last position's next
+    token is not in the batch, so only its own mask counts there.
     """
-    labels = _tensor(batch, "labels")
+    key, labels, aligned = _labels(batch, shifted)
     mask = _tensor(batch, "attention_mask", required=False)
     if mask is not None and mask.shape != labels.shape:
-        raise ValueError(
-            f"gradstep.hf: attention_mask shape {tuple(mask.shape)} differs from labels shape "
+        raise BatchError(
+            f"gradstep.hf: attention_mask shape {tuple(mask.shape)} differs from {key} shape "
             f"{tuple(labels.shape)}"
         )
-    if shifted:
-        return labels if mask is None else labels.masked_fill(mask == 0, IGNORE_INDEX)
+    if aligned:
+        if mask is None:
+            return labels
+        real = mask != 0
+        after = torch.cat([real[:, 1:], real[:, -1:]], dim=1)
+        return labels.masked_fill(~(real & after), IGNORE_INDEX)
     targets = labels[:, 1:]
     if mask is not None:
         real = mask != 0
@@ -100,6 +148,25 @@ def _check_coef(aux_coef: float | None) -> None:
         )
 
 
+def _wants_router(model: nn.Module, aux_coef: float | None) -> bool:
+    """Whether to ask this forward for the router loss: a coefficient > 0 was given.
+
+    HF MoE configs ship ``output_router_logits=False``, which makes the forward return no
+    ``aux_loss``; ``output_router_logits=True`` in the call turns it on for that forward.
+    A model whose config has no such field has no router: a coefficient is a mistake.
+    """
+    if not aux_coef:
+        return False
+    config = getattr(unwrap(model), "config", None)
+    if not hasattr(config, "output_router_logits"):
+        raise ValueError(
+            f"causal_lm_loss: aux_coef={aux_coef!r} asks for a router (load-balancing) loss, "
+            f"but {type(unwrap(model)).__name__} is not a mixture of experts (its config has "
+            "no output_router_logits); leave aux_coef=None for a dense model"
+        )
+    return True
+
+
 def _aux_coef(model: nn.Module, aux_coef: float | None) -> float:
     if aux_coef is not None:
         return float(aux_coef)
@@ -113,6 +180,57 @@ def _aux_coef(model: nn.Module, aux_coef: float | None) -> float:
     return float(coef)
 
 
+def _vocab(model: nn.Module) -> int | None:
+    embed = getattr(unwrap(model), "get_input_embeddings", None)
+    table = embed() if callable(embed) else None
+    return getattr(table, "num_embeddings", None)
+
+
+def _out_of_range(key: str, ids: torch.Tensor, vocab: int | None) -> BatchError | None:
+    """The error for ids outside ``[0, vocab)`` (-100 allowed in labels), or None: called
+    only after torch refused an index, so reading the ids back costs nothing on the fast
+    path."""
+    if vocab is None:
+        return None
+    ids = ids.detach().cpu()
+    bad = ids[(ids < 0) | (ids >= vocab)]
+    if key != "input_ids":
+        bad = bad[bad != IGNORE_INDEX]
+    if bad.numel() == 0:
+        return None
+    ignored = "" if key == "input_ids" else f" ({IGNORE_INDEX} marks an ignored position)"
+    return BatchError(
+        f"gradstep.hf: batch[{key!r}] holds {int(bad[0])}, outside the model's vocabulary "
+        f"[0, {vocab}){ignored}; {bad.numel()} such value(s). Check the tokenizer matches "
+        "the model"
+    )
+
+
+def _forward(model: nn.Module, batch: Mapping[str, Any], router: bool) -> Any:
+    """The model's forward on the keys in :data:`FORWARDED_KEYS`, without labels (HF would
+    compute a second, unused loss) and without a KV cache."""
+    input_ids = _integer("input_ids", _tensor(batch, "input_ids"))
+    mask = _tensor(batch, "attention_mask", required=False)
+    kwargs: dict[str, Any] = {"input_ids": input_ids, "use_cache": False}
+    if mask is not None:
+        kwargs["attention_mask"] = mask
+    positions = batch.get("position_ids")
+    positions = _position_ids(mask) if positions is None else positions
+    if positions is not None:
+        kwargs["position_ids"] = positions
+    if batch.get("token_type_ids") is not None:
+        kwargs["token_type_ids"] = batch["token_type_ids"]
+    if router:
+        kwargs["output_router_logits"] = True
+    try:
+        return model(**kwargs)
+    except IndexError as exc:
+        error = _out_of_range("input_ids", input_ids, _vocab(model))
+        if error is None:
+            raise
+        raise error from exc
+
+
 def causal_lm_loss(
     model: nn.Module,
     batch: Mapping[str, Any],
@@ -122,38 +240,51 @@ def causal_lm_loss(
 ) -> LossSum:
     """Summed next-token cross-entropy of an HF causal LM, as a :class:`~gradstep.LossSum`.
 
-    Calls ``model(input_ids=..., attention_mask=..., use_cache=False)`` without labels (so
-    HF computes no second, unused loss), shifts inside (:func:`causal_lm_targets`), and sums
-    the cross-entropy in at least float32. A left-padded batch also gets ``position_ids``
-    counted over its real tokens, so padding changes no real token's position.
+    Calls the model on ``input_ids``, ``attention_mask``, ``position_ids`` and
+    ``token_type_ids`` (those present; :data:`FORWARDED_KEYS`) with ``use_cache=False`` and
+    without labels (so HF computes no second, unused loss), shifts inside
+    (:func:`causal_lm_targets`; a ``shift_labels`` key is taken as already shifted), and
+    sums the cross-entropy in at least float32. A left-padded batch also gets
+    ``position_ids`` counted over its real tokens, so padding changes no real token's
+    position. Other keys are not passed to the model.
 
-    A mixture-of-experts model whose output has ``aux_loss`` (HF computes it when
-    ``config.output_router_logits`` is True) adds ``aux={"router": coef * aux_loss}``: a
-    per-micro-batch term the Stepper averages over the window's micro-batches, never
-    divided by the token count. ``coef`` is ``aux_coef``, else the model's
-    ``config.router_aux_loss_coef`` (the coefficient HF's own loss would use); ``aux_coef=0``
-    leaves the term out. Such a loss needs ``stepper.step(..., count=count_tokens)``.
+    Router loss of a mixture-of-experts model: ``aux_coef > 0`` asks the forward for it
+    (``output_router_logits=True``, whatever the config says) and adds
+    ``aux={"router": aux_coef * aux_loss}``, a per-micro-batch term the Stepper averages
+    over the window's micro-batches, never divided by the token count; on a model without
+    a router it is a ``ValueError``. ``aux_coef=None`` follows the config: the term is added
+    (times ``config.router_aux_loss_coef``) when ``config.output_router_logits`` is True.
+    ``aux_coef=0`` leaves it out. Such a loss needs ``stepper.step(..., count=count_tokens)``.
+
+    A token or label id outside the vocabulary is a :class:`BatchError` naming the key
+    (diagnosed after torch refuses the index, so the fast path reads nothing back).
     """
     _check_coef(aux_coef)
-    input_ids = _tensor(batch, "input_ids")
-    mask = _tensor(batch, "attention_mask", required=False)
+    router = _wants_router(model, aux_coef)
+    key, labels, aligned = _labels(batch, shifted)
     targets = causal_lm_targets(batch, shifted=shifted)
-    if input_ids.shape != _tensor(batch, "labels").shape:
-        raise ValueError(
-            f"gradstep.hf: input_ids shape {tuple(input_ids.shape)} differs from labels shape "
-            f"{tuple(batch['labels'].shape)}"
+    input_ids = _tensor(batch, "input_ids")
+    if input_ids.shape != labels.shape:
+        raise BatchError(
+            f"gradstep.hf: input_ids shape {tuple(input_ids.shape)} differs from {key} shape "
+            f"{tuple(labels.shape)}"
         )
-    kwargs: dict[str, Any] = {"input_ids": input_ids, "use_cache": False}
-    if mask is not None:
-        kwargs["attention_mask"] = mask
-    positions = batch.get("position_ids")
-    positions = _position_ids(mask) if positions is None else positions
-    if positions is not None:
-        kwargs["position_ids"] = positions
-    out = model(**kwargs)
-    logits = out.logits if shifted else out.logits[:, :-1]
-    loss = token_loss(logits, targets.to(logits.device))
+    out = _forward(model, batch, router)
+    logits = out.logits if aligned else out.logits[:, :-1]
+    targets = targets.to(device=logits.device, dtype=torch.long)
+    try:
+        loss = token_loss(logits, targets)
+    except IndexError as exc:
+        error = _out_of_range(key, targets, logits.size(-1))
+        if error is None:
+            raise
+        raise error from exc
     aux = getattr(out, "aux_loss", None)
+    if router and aux is None:
+        raise ValueError(
+            f"causal_lm_loss: aux_coef={aux_coef!r} was given and the forward was asked for "
+            "router logits, but the model returned no aux_loss"
+        )
     if aux is None:
         return loss
     coef = _aux_coef(model, aux_coef)

@@ -20,7 +20,8 @@ def scale_lr(lr: float, batch: float, base_batch: float, rule: str) -> float:
     """``lr`` (tuned for ``base_batch``) for a step of ``batch``: ``rule`` is one of
     ``none`` (unchanged), ``linear`` (x batch/base_batch), ``sqrt`` (x sqrt(batch/base_batch)).
 
-    ``batch`` and ``base_batch`` are in the same unit (items, sequences or micro-batches).
+    ``batch`` and ``base_batch`` are in the same unit (items, sequences or micro-batches);
+    ``lr`` must be a finite number >= 0.
     """
     if rule not in LR_SCALING:
         raise ValueError(f"scale_lr: rule must be one of {', '.join(LR_SCALING)}; got {rule!r}")
@@ -29,8 +30,9 @@ def scale_lr(lr: float, batch: float, base_batch: float, rule: str) -> float:
             raise TypeError(f"scale_lr: {name} must be a positive number, got {value!r}")
         if not math.isfinite(value) or value <= 0:
             raise ValueError(f"scale_lr: {name} must be a finite number > 0, got {value!r}")
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr):
-        raise ValueError(f"scale_lr: lr must be a finite number, got {lr!r}")
+    # A negative rate is a step up the loss; scaling it would only make that step larger.
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (0 <= lr < math.inf):
+        raise ValueError(f"scale_lr: lr must be a finite number >= 0, got {lr!r}")
     ratio = batch / base_batch
     if rule == "linear":
         return lr * ratio

@@ -114,11 +114,20 @@ class MetricsSink(Protocol):
     def close(self) -> None: ...
 
 
+def _naming(exc: OSError, path: str | None) -> OSError:
+    """``exc`` with the file it was writing: a ``write`` or ``flush`` that fails (disk
+    full, file-size limit) raises an OSError without ``filename``."""
+    if exc.filename is not None or path is None:
+        return exc
+    return type(exc)(exc.errno, exc.strerror or str(exc), path)
+
+
 class JsonlSink:
     """One strict-JSON object per line, flushed every step so a live ``report`` can read it.
 
     A reader may still catch a line half-written; ``gradstep report`` ignores an
-    unterminated last line for that reason.
+    unterminated last line for that reason. A write that fails (a full disk) raises an
+    ``OSError`` whose ``filename`` is this file.
     """
 
     def __init__(self, path: str | Path | TextIO, append: bool = False) -> None:
@@ -126,18 +135,31 @@ class JsonlSink:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             self._file: TextIO = open(path, "a" if append else "w")  # noqa: SIM115
             self._owned = True
+            self.path: str | None = str(path)
         else:
             self._file, self._owned = path, False
+            name = getattr(path, "name", None)  # an open file's path; not for StringIO
+            self.path = name if isinstance(name, str) else None
+        self._failed = False
 
     def write(self, record: Record) -> None:
-        self._file.write(json.dumps(jsonable(record), allow_nan=False) + "\n")
-        self._file.flush()
+        line = json.dumps(jsonable(record), allow_nan=False) + "\n"
+        try:
+            self._file.write(line)
+            self._file.flush()
+        except OSError as exc:
+            self._failed = True
+            raise _naming(exc, self.path) from exc
 
     def close(self) -> None:
-        if self._owned:
-            self._file.close()
-        else:
-            self._file.flush()
+        try:
+            if self._owned:
+                self._file.close()
+            else:
+                self._file.flush()
+        except OSError as exc:
+            if not self._failed:  # a failed write was reported already; its rest is lost
+                raise _naming(exc, self.path) from exc
 
 
 class TensorBoardSink:
@@ -294,7 +316,11 @@ class MetricsLogger:
         if self.out_dir is None:
             return
         body = {"steps_logged": self.steps_logged, "finished_unix": time.time(), **summary}
-        (self.out_dir / FINISHED_FILE).write_text(json.dumps(jsonable(body)) + "\n")
+        path = self.out_dir / FINISHED_FILE
+        try:
+            path.write_text(json.dumps(jsonable(body)) + "\n")
+        except OSError as exc:
+            raise _naming(exc, str(path)) from exc
 
     def close(self) -> None:
         for sink in self.sinks:

@@ -10,7 +10,9 @@ Reads ``RUN_DIR/metrics.jsonl`` (one JSON object per optimizer step, as written 
 
 A run can be reported while it is still being written: the writer flushes whole lines, so a
 reader can only ever catch the *last* line half-written, and an unterminated last line is
-ignored. Any other unreadable line is an error naming the file and line number.
+ignored. Any other unreadable line is an error naming the file and line number. A step
+logged twice (a log appended after a resume without being cut back, lines copied twice)
+counts once: the later records win (:func:`latest_records`).
 
 Figures are built with ``matplotlib.figure.Figure`` (no pyplot global state, Agg rendering)
 so :func:`build_figures` can be called from tests and notebooks and its lines inspected.
@@ -37,7 +39,15 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-__all__ = ["PLOTS", "ReportError", "RunMetrics", "build_figures", "load_run", "write_report"]
+__all__ = [
+    "PLOTS",
+    "ReportError",
+    "RunMetrics",
+    "build_figures",
+    "latest_records",
+    "load_run",
+    "write_report",
+]
 
 PLOTS = ("loss", "grad_norm", "clip_coef", "lr", "tokens_per_s", "memory", "batch")
 _TITLES = {
@@ -49,6 +59,11 @@ _TITLES = {
     "memory": "Peak memory (MiB): measured, and the plan's prediction",
     "batch": "Batch in use (items per step) and the gradient noise scale B_simple",
 }
+
+
+# What a metrics line that is valid JSON but not an object is, in JSON's own words.
+_JSON_KINDS = {list: "array", str: "string", int: "number", float: "number", bool: "boolean"}
+_JSON_KINDS[type(None)] = "null"
 
 
 class ReportError(GradstepError, ValueError):
@@ -64,6 +79,8 @@ class RunMetrics:
     records: list[dict[str, Any]]
     partial_last_line: bool
     """True when an unterminated last line (a step being written) was ignored."""
+    replaced: int = 0
+    """Records dropped because a later record took the same step again (see :func:`load_run`)."""
 
     def series(self, key: str) -> list[float]:
         """``key`` per step as floats; missing, null and non-numeric values become nan."""
@@ -79,12 +96,60 @@ class RunMetrics:
 
     @property
     def steps(self) -> list[int]:
-        """x axis: the window index (1-based line number), which also advances on skips."""
+        """x axis: the window index (1-based, over the kept records), which also advances on
+        skips."""
         return list(range(1, len(self.records) + 1))
 
 
+def _position(rec: dict[str, Any]) -> tuple[float, int] | None:
+    """Where a record sits in a run: ``(step, 0)`` for the window that took ``step``,
+    ``(step, 1)`` for a skipped window (``step`` counts steps taken, so a skip keeps the
+    step before it); None without a numeric ``step``."""
+    step = rec.get("step")
+    if isinstance(step, bool) or not isinstance(step, (int, float)) or step != step:
+        return None
+    return (step, int(rec.get("skipped") is True))
+
+
+def latest_records(records: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+    """``records`` with each rewound stretch replaced by the later one: ``(kept, dropped)``.
+
+    A record that goes back (a step taken again, or a skipped window before the previous
+    record's step) means the log was rewound: a run resumed from an older checkpoint and
+    appended without cutting its log, or lines copied twice. The later records win, as a
+    resumed run's do: every earlier record from that position on is dropped. Consecutive
+    skipped windows at one step are normal and stay; records without a numeric ``step``
+    never rewind.
+    """
+    kept: list[dict[str, Any]] = []
+    where: list[tuple[float, int] | None] = []  # _position of each kept record
+    dropped, last, newest = 0, None, -math.inf  # last position; highest step taken
+    for rec in records:
+        pos = _position(rec)
+        back = pos is not None and (
+            (last is not None and pos < last) or (pos[1] == 0 and pos[0] <= newest)
+        )
+        if back:  # rare: linear work is fine
+            cut = next(i for i, w in enumerate(where) if w is not None and w >= pos)
+            dropped += len(kept) - cut
+            del kept[cut:], where[cut:]
+            numbered = [w for w in where if w is not None]
+            last = numbered[-1] if numbered else None
+            newest = max((w[0] for w in numbered if w[1] == 0), default=-math.inf)
+        kept.append(rec)
+        where.append(pos)
+        if pos is not None:
+            last = pos
+            newest = newest if pos[1] else max(newest, pos[0])
+    return kept, dropped
+
+
 def load_run(run_dir: str | Path, name: str | None = None) -> RunMetrics:
-    """Read ``run_dir/metrics.jsonl``, tolerating a half-written last line."""
+    """Read ``run_dir/metrics.jsonl``, tolerating a half-written last line.
+
+    A step logged twice counts once: the later records replace a rewound stretch
+    (:func:`latest_records`), and :attr:`RunMetrics.replaced` says how many were dropped.
+    """
     path = Path(run_dir)
     metrics = path / "metrics.jsonl"
     if not path.is_dir():
@@ -106,11 +171,13 @@ def load_run(run_dir: str | Path, name: str | None = None) -> RunMetrics:
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ReportError(f"{metrics}:{number}: not a JSON object ({exc})") from exc
         if not isinstance(rec, dict):
-            raise ReportError(f"{metrics}:{number}: expected a JSON object, got {type(rec)}")
+            kind = _JSON_KINDS.get(type(rec), type(rec).__name__)
+            raise ReportError(f"{metrics}:{number}: expected a JSON object, got a JSON {kind}")
         records.append(rec)
     if not records:
         raise ReportError(f"{str(metrics)!r} has no complete step yet; try again later")
-    return RunMetrics(name or path.resolve().name, path, records, partial)
+    records, dropped = latest_records(records)
+    return RunMetrics(name or path.resolve().name, path, records, partial, dropped)
 
 
 def _finite(values: Sequence[float], positive: bool = False) -> list[float]:
@@ -255,6 +322,12 @@ def _html(runs: Sequence[RunMetrics], images: dict[str, bytes]) -> str:
         for key, png in images.items()
     )
     paths = "".join(f"<li>{html.escape(r.name)}: {html.escape(str(r.path))}</li>" for r in runs)
+    notes = "".join(
+        f"<p>{html.escape(r.name)}: {r.replaced} earlier record(s) replaced by later records "
+        "of the same steps (a log appended after a resume, or lines copied twice).</p>"
+        for r in runs
+        if r.replaced
+    )
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     style = (
         "body{font-family:sans-serif;max-width:60em;margin:2em auto}"
@@ -266,7 +339,7 @@ def _html(runs: Sequence[RunMetrics], images: dict[str, bytes]) -> str:
         f"<style>{style}</style></head><body><h1>gradstep report</h1>"
         f"<p>Generated {stamp}. Grad norms are global and pre-clip unless marked post-clip; "
         f"losses are token-weighted means.</p><ul>{paths}</ul>"
-        f"<table><tr>{head}</tr>{body}</table>{figures}</body></html>\n"
+        f"<table><tr>{head}</tr>{body}</table>{notes}{figures}</body></html>\n"
     )
 
 

@@ -92,11 +92,19 @@ def window_seqs(gen: torch.Generator, k: int, rows: int = 2, max_len: int = 24) 
 
 
 def reference_grads(
-    model: nn.Module, micro_seqs: Sequence[Sequence[torch.Tensor]], aux: bool = False
+    model: nn.Module,
+    micro_seqs: Sequence[Sequence[torch.Tensor]],
+    aux: bool = False,
+    sum_first: bool = False,
 ) -> tuple[dict[str, torch.Tensor], float, int]:
     """Gradient of sum(CE) / N over every sequence of the window, each run alone and
     unpadded (plus, with ``aux``, the mean over micro-batches of coef * aux_loss, each
-    micro-batch run right-padded as the Stepper runs it). Returns (grads, loss, N)."""
+    micro-batch run right-padded as the Stepper runs it). Returns (grads, loss, N).
+
+    ``sum_first``: backpropagate N times the loss and divide the gradients by N afterwards
+    (the same math). HF's RMSNorm casts activation gradients to float32 even in a float64
+    model, and that rounding depends on the scale of what is backpropagated: the Stepper
+    backpropagates sums, so against this reference float64 parity is float64 rounding."""
     model.zero_grad(set_to_none=True)
     ce, n = 0.0, 0
     seqs = [s for mb in micro_seqs for s in mb if len(s) > 1]
@@ -113,9 +121,10 @@ def reference_grads(
             out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
             terms.append(coef * out.aux_loss)
         loss = loss + torch.stack(terms).mean()
-    loss.backward()
+    (loss * n if sum_first else loss).backward()
+    scale = 1 / n if sum_first else 1.0
     grads = {
-        name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None
+        name: p.grad.detach() * scale for name, p in model.named_parameters() if p.grad is not None
     }
     return grads, float(loss.detach()), n
 

@@ -11,6 +11,7 @@ on the router gradient, so the tolerance separates right from wrong by 6 orders.
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -19,7 +20,15 @@ pytest.importorskip("transformers")
 
 import gradstep  # noqa: E402
 from gradstep.hf import causal_lm_loss, count_tokens  # noqa: E402
-from tests.hf.helpers import grads_of, hf_batch, mixtral, reference_grads, rel_err, window_seqs  # noqa: E402
+from tests.hf.helpers import (  # noqa: E402
+    grads_of,
+    hf_batch,
+    llama,
+    mixtral,
+    reference_grads,
+    rel_err,
+    window_seqs,
+)
 from tests.hf.workers import aux_grads  # noqa: E402
 from tests.support.multiproc import run_ranks  # noqa: E402
 
@@ -62,6 +71,59 @@ def test_aux_coef_argument_overrides_the_config() -> None:
     doubled = causal_lm_loss(model, batch, aux_coef=0.04).aux["router"].detach()
     assert float(doubled) == pytest.approx(2 * float(default), rel=1e-6)
     assert causal_lm_loss(model, batch, aux_coef=0).aux == {}
+
+
+def test_aux_coef_turns_the_router_loss_on_when_the_config_has_it_off() -> None:
+    """HF MoE configs ship output_router_logits=False: aux_coef= must still add the router
+    term (asked for in the forward), with the gradient of the full-window reference."""
+    gen = torch.Generator().manual_seed(7)
+    on = mixtral(dtype=torch.float64)
+    seqs = window_seqs(gen, 4)
+    want, _, n = reference_grads(copy.deepcopy(on), seqs, aux=True)
+    coef = on.config.router_aux_loss_coef
+    model = copy.deepcopy(on)
+    model.config.output_router_logits = False
+    window = [hf_batch(s) for s in seqs]
+    assert causal_lm_loss(model, window[0]).aux == {}, "off by default: HF semantics"
+    stepper = gradstep.Stepper(model, torch.optim.SGD(model.parameters(), lr=0.0), clip=None)
+    loss_fn = functools.partial(causal_lm_loss, aux_coef=coef)
+    stats = stepper.step(window, loss_fn, count=count_tokens)
+    got = grads_of(model)
+    assert rel_err(got, want) <= TOL
+    assert rel_err(_router(got), _router(want)) <= TOL
+    terms = _aux_terms(on, seqs)
+    assert stats.aux["router"] == pytest.approx(sum(terms) / len(terms), rel=1e-7)
+    assert stats.items == n
+
+
+def test_aux_coef_on_a_model_without_router_is_an_error() -> None:
+    model = llama()
+    before = [p.detach().clone() for p in model.parameters()]
+    batch = hf_batch([torch.arange(6)])
+    with pytest.raises(ValueError, match=r"aux_coef=0.5 .*not a mixture of experts"):
+        causal_lm_loss(model, batch, aux_coef=0.5)
+    stepper = gradstep.Stepper(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="aux_coef"):
+        stepper.step([batch], functools.partial(causal_lm_loss, aux_coef=0.5), count=count_tokens)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert causal_lm_loss(model, batch, aux_coef=0).aux == {}  # 0: nothing asked for
+
+
+def test_an_empty_moe_window_is_skipped_and_counted_apart() -> None:
+    """0 targets in the whole window: no update even though the router loss is non-zero
+    (reported in stats.aux, not applied); counted under its own reason."""
+    model = mixtral()
+    before = [p.detach().clone() for p in model.parameters()]
+    stepper = gradstep.Stepper(model, torch.optim.SGD(model.parameters(), lr=0.1), clip=None)
+    masked = hf_batch([torch.arange(5)])
+    masked["labels"][:] = -100
+    window = [hf_batch([torch.tensor([5]), torch.tensor([7])]), masked]
+    stats = stepper.step(window, causal_lm_loss, count=count_tokens)
+    assert stats.skipped and stats.items == 0 and stepper.step_count == 0
+    assert stats.skip_reason == "empty window: 0 items (every label ignored)"
+    assert stats.aux["router"] > 0
+    assert dict(stepper.skip_reasons) == {stats.skip_reason: 1} and stepper.skipped_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
 @pytest.mark.distributed

@@ -29,7 +29,7 @@ from ..parallel import collectives
 # SIGKILL tests (tests/checkpoint_kill_child.py) can hook each one.
 from . import layout
 from .codec import decode, encode, read_tensor_file, write_tensor_file
-from .errors import CheckpointError
+from .errors import CheckpointError, not_saved
 from .rng import rng_file, rng_state, set_rng_state
 from .state import (
     dcp_prepare,
@@ -199,9 +199,11 @@ class Checkpointer:
         if rank == 0:
             self._make_directory()
             layout._recover(self.directory)
-            tmp.mkdir()
-        collectives.barrier()
+        published = False
         try:
+            if rank == 0:
+                tmp.mkdir()
+            collectives.barrier()
             written = self._write_state(tmp, model, optimizer, others)
             if self.rng:
                 rng = json.dumps(encode(rng_state(), "rng", {})).encode()
@@ -211,10 +213,14 @@ class Checkpointer:
                 layout._write_manifest(tmp, self._manifest(step, tmp, *written))
                 layout.fsync(tmp)
                 layout._publish(tmp, final)
+                published = True
                 layout._prune(self.directory, self.keep, protect={final}, is_valid=self._valid)
-        except BaseException:
+        except BaseException as exc:
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
+            failed = getattr(exc, "filename", None)
+            if not published and failed and isinstance(exc, (OSError, CheckpointError)):
+                raise not_saved(step, exc) from exc
             raise
         collectives.barrier()
         return final

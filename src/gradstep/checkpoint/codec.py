@@ -15,10 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import safetensors
 import safetensors.torch
 import torch
 
-from .errors import CheckpointError
+from .errors import CheckpointError, write_failed
 from .layout import fsync
 
 __all__ = ["decode", "encode", "read_tensor_file", "write_tensor_file"]
@@ -55,8 +56,11 @@ def write_tensor_file(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str,
         seen[ident] = key
         storages.add(ptr)
         out[key] = t.to("cpu").contiguous()
-    safetensors.torch.save_file(out, str(path))
-    fsync(path)
+    try:
+        safetensors.torch.save_file(out, str(path))
+        fsync(path)
+    except (OSError, safetensors.SafetensorError) as exc:  # disk full, file-size limit
+        raise write_failed(path, exc) from exc
     return aliases
 
 

@@ -17,6 +17,8 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
+from .errors import write_failed
+
 __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
@@ -64,10 +66,15 @@ def file_sha256(path: Path) -> str:
 
 
 def write_bytes(path: Path, data: bytes) -> None:
-    with open(path, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
+    """Write and fsync one file; a failed write (disk full, file-size limit) is a
+    :class:`CheckpointError` naming the file."""
+    try:
+        with open(path, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+    except OSError as exc:
+        raise write_failed(path, exc) from exc
 
 
 # ----------------------------------------------------------------------------- manifest
@@ -132,9 +139,9 @@ def _step_dirs(directory: Path) -> list[tuple[int, Path]]:
         return []
     found: dict[int, Path] = {}
     for path in sorted(directory.iterdir(), key=lambda p: p.name.startswith(".")):
-        m = _STEP_DIR.match(path.name) or _REPLACED.match(path.name)
-        if m and path.is_dir():
-            found.setdefault(int(m.group(1).removeprefix("step-")), path)
+        n = _named_step(path)
+        if n is not None and path.is_dir():
+            found.setdefault(n, path)
     return sorted(found.items(), reverse=True)
 
 
@@ -144,11 +151,24 @@ def written_by_gradstep(folder: Path) -> bool:
     gradstep publishes a folder only after its manifest is in place, so a ``step-N`` folder
     without one was made by someone else: it is never loaded, never pruned.
     """
+    return _raw_manifest(folder) is not None
+
+
+def _raw_manifest(folder: Path) -> dict[str, Any] | None:
+    """The manifest's JSON when it names this format (not verified), else None."""
     try:
         raw = json.loads((folder / MANIFEST).read_bytes())
     except (OSError, ValueError):
-        return False
-    return isinstance(raw, dict) and raw.get("format") == FORMAT
+        return None
+    return raw if isinstance(raw, dict) and raw.get("format") == FORMAT else None
+
+
+def _misnamed(folder: Path) -> bool:
+    """True when the folder's name claims another step than its manifest: a folder renamed
+    or copied by hand. Never loaded, and never pruned either: its files may be intact."""
+    raw = _raw_manifest(folder)
+    named = _named_step(folder)
+    return raw is not None and named is not None and raw.get("step") != named
 
 
 def _prune(
@@ -163,7 +183,8 @@ def _prune(
 
     Only checkpoints that verify count towards ``keep``, so a corrupted or half-copied
     newer folder can never push a good one out; folders gradstep did not write are left
-    alone whatever their name.
+    alone whatever their name, and so are folders whose name claims another step than their
+    manifest (renamed or copied by hand: unusable, but maybe intact).
     """
     is_valid = is_valid or (lambda path: _verify(path)[0] is not None)
     kept = {Path(p) for p in protect}
@@ -174,6 +195,8 @@ def _prune(
             valid_seen += 1
             continue
         if not written_by_gradstep(path):
+            continue
+        if _misnamed(path):  # renamed or copied by hand: unusable, but its files may be intact
             continue
         if valid_seen < keep and is_valid(path):
             valid_seen += 1
@@ -218,6 +241,14 @@ def _verify(folder: Path) -> tuple[dict[str, Any] | None, str | None]:
         return None, f"{MANIFEST} is malformed: {problem}"
     if raw["format_version"] > FORMAT_VERSION:
         return None, f"format version {raw['format_version']} is newer than this gradstep's"
+    named = _named_step(folder)
+    if named is not None and named != raw["step"]:
+        # A renamed or copied folder: trusting either number would resume at the wrong
+        # step (or let an old checkpoint outrank every newer one).
+        return None, (
+            f"the folder is named {folder.name} but its {MANIFEST} says step {raw['step']} "
+            "(renamed or copied by hand?)"
+        )
     for name, meta in raw["files"].items():
         path = folder / name
         try:
@@ -231,6 +262,13 @@ def _verify(folder: Path) -> tuple[dict[str, Any] | None, str | None]:
         except OSError as exc:
             return None, f"{name} cannot be read ({exc.strerror or exc})"
     return raw, None
+
+
+def _named_step(folder: Path) -> int | None:
+    """The step a ``step-N`` (or ``.replaced-step-N``) folder name claims; None for a
+    folder of another name (a user's copy elsewhere, loaded by path)."""
+    m = _STEP_DIR.match(folder.name) or _REPLACED.match(folder.name)
+    return None if m is None else int(m.group(1).removeprefix("step-"))
 
 
 def _is_int(value: Any, minimum: int) -> bool:
