@@ -1,14 +1,21 @@
-"""Command line: ``gradstep train`` and ``gradstep report`` (more subcommands plug in the same way).
+"""Command line: ``gradstep train``, ``plan`` and ``report`` (more plug in the same way).
 
 Flags are generated from :class:`~gradstep.config.TrainConfig` so the CLI, the TOML file
 and the dataclass can never disagree about a parameter's name, type or help text. Every
 flag defaults to "not given", so only flags actually typed override the TOML file.
+
+Every user mistake ends as one line ``gradstep COMMAND: error: ...`` and exit status 2
+(``gradstep plan --json`` also prints it as ``{"error": ...}`` on stdout); a failure of the
+machine (a full disk, a dead rank) as one line naming the file or the timeout, status 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
+import json
+import os
 import sys
 import typing
 from collections.abc import Callable, Sequence
@@ -43,8 +50,11 @@ def _flag_type(hint: typing.Any) -> type:
 def _add_train_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "train",
-        help="train the demo byte-level GPT with the exact accumulate-and-clip step",
-        description="Train a small byte-level GPT. Precedence: defaults < --config < flags.",
+        help="train the demo GPT or a Hugging Face causal LM with the exact "
+        "accumulate-and-clip step",
+        description="Train the demo's small byte-level GPT, or a Hugging Face causal LM built "
+        "from a local config (--model hf:PATH), on byte-level text with the exact "
+        "accumulate-and-clip step. Precedence: defaults < --config < flags.",
     )
     _add_config_flags(parser)
     parser.set_defaults(handler=_run_train)
@@ -57,13 +67,14 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         kind = f.metadata.get("type") or _flag_type(hints[f.name])
+        shown = f.metadata.get("default_help", f.default)  # an automatic default says how
         if kind is bool:  # --flag / --no-flag; argparse's type=bool would take "False" as True
             parser.add_argument(
                 flag,
                 dest=f.name,
                 action=argparse.BooleanOptionalAction,
                 default=argparse.SUPPRESS,
-                help=f"{f.metadata['help']} (default: {f.default})",
+                help=f"{f.metadata['help']} (default: {shown})",
             )
             continue
         parser.add_argument(
@@ -74,7 +85,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
             nargs=f.metadata.get("nargs"),
             const=f.metadata.get("const"),
             default=argparse.SUPPRESS,  # absent flags must not override the TOML file
-            help=f"{f.metadata['help']} (default: {f.default})",
+            help=f"{f.metadata['help']} (default: {shown})",
             metavar=None
             if "choices" in f.metadata
             else _METAVARS.get(f.name, getattr(kind, "__name__", "VALUE").upper()),
@@ -105,9 +116,11 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "plan",
         help="choose micro-batch size, accumulation and checkpointing for a memory budget",
-        description="Probe the model on this device and print the candidates that split "
+        description="Probe the demo GPT on this device and print the candidates that split "
         "--global-batch under --memory-budget, and the fastest that fits. Takes every "
-        "`gradstep train` flag; under torchrun it plans for the launched ranks.",
+        "`gradstep train` flag and refuses, before probing, what train would refuse (and "
+        "--model hf:PATH, which it cannot plan); under torchrun it plans for the launched "
+        'ranks. With --json, errors are {"error": ...} too.',
     )
     _add_config_flags(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead")
@@ -118,16 +131,17 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    import json
-
     from gradstep import parallel
 
     from .planning import plan_run
+    from .preflight import check_run
 
     cfg, _ = _config(args)
     owns_group = not parallel.is_initialized()
     env = parallel.init(cfg.device, timeout_s=cfg.collective_timeout)
     try:
+        # What train would refuse, refused the same way before anything is probed.
+        check_run(cfg, env, planning=True)
         with parallel.quiet_unless_main():
             planned = plan_run(cfg, env.device, probe=not args.no_probe)
             if args.json:
@@ -168,8 +182,18 @@ def _run_report(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, keeping the last usage error so ``plan --json`` can print it as JSON."""
+
+    last_error: str | None = None
+
+    def error(self, message: str) -> typing.NoReturn:
+        _Parser.last_error = message
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="gradstep", description="Exact gradient accumulation and clipping, with a demo."
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -179,18 +203,60 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _wants_json(argv: Sequence[str]) -> bool:
+    """``gradstep plan ... --json``, read from the raw arguments: also for usage errors."""
+    return bool(argv) and argv[0] == "plan" and "--json" in argv
+
+
+def _os_error(exc: OSError, command: str) -> str:
+    """An OSError as one line naming the file and what to do about it."""
+    what = exc.strerror or str(exc)
+    files = [f for f in (exc.filename, exc.filename2) if f is not None]
+    where = f" ({' -> '.join(repr(os.fsdecode(f)) for f in files)})" if files else ""
+    hint = {
+        errno.EFBIG: "the file-size limit (ulimit -f) was reached: raise it, or write the "
+        "run elsewhere (--out)",
+        errno.ENOSPC: "the disk is full: free space, or write the run elsewhere (--out)",
+        errno.EDQUOT: "the disk quota is used up: free space, or write the run elsewhere (--out)",
+        errno.EROFS: "the file system is read-only: write the run elsewhere (--out)",
+        errno.EACCES: "permission denied: make it writable, or write the run elsewhere (--out)",
+    }.get(exc.errno)
+    if hint is None:
+        return f"{what}{where}"
+    if command != "train":
+        return f"{what}{where}: {hint}"
+    # Checkpoints are written to a temporary folder and renamed: the saved ones are whole.
+    return f"{what}{where}: {hint}; any checkpoint saved before is intact (--resume continues)"
+
+
+def _fail(command: str, message: str, as_json: bool) -> None:
+    """One error line on stderr; with ``plan --json`` also ``{"error": ...}`` on stdout (rank
+    0 only: a launcher's stdout should hold one JSON object, not one per rank)."""
+    print(f"gradstep {command}: error: {message}", file=sys.stderr)
+    if as_json and os.environ.get("RANK", "0") == "0":
+        print(json.dumps({"error": message}))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``gradstep`` script; returns the process exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    as_json = _wants_json(argv)
+    _Parser.last_error = None
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse already printed usage and the error on stderr
+        if exc.code == 2 and as_json and _Parser.last_error is not None:
+            print(json.dumps({"error": _Parser.last_error}))
+        raise
     handler: Handler = args.handler
     try:
         return handler(args)
     except (GradstepError, NotImplementedError, ValueError) as exc:
-        print(f"gradstep {args.command}: error: {exc}", file=sys.stderr)
+        _fail(args.command, str(exc), as_json)
         return 2
     except OSError as exc:  # a full disk, a folder made read-only mid-run: no traceback
-        print(f"gradstep {args.command}: error: {exc}", file=sys.stderr)
+        _fail(args.command, _os_error(exc, args.command), as_json)
         return 1
     except Exception as exc:
         from gradstep.parallel import collective_failure
@@ -198,8 +264,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = collective_failure(exc)
         if message is None:
             raise
-        print(f"gradstep {args.command}: error: {message}", file=sys.stderr)
+        _fail(args.command, message, as_json)
         return 1
     except KeyboardInterrupt:
         print(f"gradstep {args.command}: interrupted", file=sys.stderr)
+        if as_json:
+            print(json.dumps({"error": "interrupted"}))
         return 130

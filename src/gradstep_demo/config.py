@@ -8,6 +8,7 @@ is one edit here.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import math
@@ -21,7 +22,7 @@ from typing import Any
 from gradstep._validate import check_choice
 from gradstep.errors import GradstepError
 from gradstep.lr import LR_SCALING
-from gradstep.parallel import STRATEGIES
+from gradstep.parallel import STRATEGIES, TIMEOUT_RANGE_S
 from gradstep.policies import parse_clip, spec_help
 from gradstep.precision import PRECISIONS as _PRECISION_DTYPES
 
@@ -46,6 +47,21 @@ OPTIMIZERS = ("adamw", "sgd", "lars", "lamb")
 LR_SCALINGS = LR_SCALING
 RESUME_AUTO = "auto"  # bare `--resume`: the run folder's checkpoints/
 AUTO = "auto"  # --micro-batch-size auto
+GPT_SHAPE = {"n_layer": 4, "n_head": 4, "d_model": 160}
+"""The demo GPT's shape when --n-layer/--n-head/--d-model are not given (not with hf:)."""
+LR_MAX = 1e6
+"""Largest --lr accepted: far above any useful rate (the reviewers' diverging LARS 1e6 and
+SGD 1e3 runs still run and report their divergence), and far enough below float32's 3.4e38
+that the optimizers' scalar arithmetic (AdamW's lr / bias correction, up to 10x) stays finite."""
+TIMEOUT_RANGE = TIMEOUT_RANGE_S
+"""--collective-timeout bounds, in seconds (gradstep.parallel.TIMEOUT_RANGE_S)."""
+WARMUP_MAX = 20
+"""Auto warm-up: 20 steps, or a fifth of --max-steps for runs shorter than 100 steps."""
+
+
+_AT_LEAST_ONE = (
+    "seq_len", "accum_steps", "max_steps", "eval_batches", "log_every", "keep_checkpoints"
+)  # fmt: skip
 
 
 class ConfigError(GradstepError, ValueError):
@@ -54,6 +70,24 @@ class ConfigError(GradstepError, ValueError):
 
 def _f(default: Any, help: str, **extra: Any) -> Any:
     return field(default=default, metadata={"help": help, **extra})
+
+
+def flag(name: str) -> str:
+    """The command-line flag of field ``name`` (``micro_batch_size`` -> ``--micro-batch-size``)."""
+    return "--" + name.replace("_", "-")
+
+
+def micro_batch_size_arg(value: str) -> int | str:
+    """``--micro-batch-size``: a whole number >= 1, or auto (any case, spaces ignored)."""
+    text = value.strip()
+    if text.lower() == AUTO:
+        return AUTO
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be a whole number >= 1 or auto (planned from --memory-budget), got {value!r}"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -73,9 +107,14 @@ class TrainConfig:
         "with hf:PATH of a mixture of experts: turn on its router load-balancing loss with "
         "this coefficient (a mean over micro-batches, gradstep.hf)",
     )
-    n_layer: int = _f(4, "transformer blocks")
-    n_head: int = _f(4, "attention heads per block")
-    d_model: int = _f(160, "model width (divisible by n_head, even head size for RoPE)")
+    # None: the demo GPT's GPT_SHAPE; an hf: model's shape is its config.json's (recorded null).
+    n_layer: int | None = _f(None, "demo GPT: transformer blocks", default_help="4 (not with hf:)")
+    n_head: int | None = _f(None, "demo GPT: attention heads per block", default_help="4")
+    d_model: int | None = _f(
+        None,
+        "demo GPT: model width (divisible by n_head, even head size for RoPE)",
+        default_help="160",
+    )
     dropout: float = _f(0.0, "dropout probability in [0, 1)")
     # data
     data: str | None = _f(None, "text file, folder (recursive) or glob; default: stdlib .py")
@@ -84,7 +123,7 @@ class TrainConfig:
         8,
         "sequences per micro-batch (what fits in memory), or auto: planned from "
         "--memory-budget (needs --global-batch)",
-        type=lambda v: v if v == AUTO else int(v),
+        type=micro_batch_size_arg,
     )
     accum_steps: int = _f(4, "micro-batches accumulated into one optimizer step")
     global_batch: int | None = _f(
@@ -132,10 +171,16 @@ class TrainConfig:
         "and norm gains get no weight decay and no layer adaptation",
         choices=OPTIMIZERS,
     )
-    lr: float = _f(3e-3, "peak learning rate (AdamW)")
-    min_lr: float = _f(3e-4, "learning rate at the end of the cosine decay")
+    lr: float = _f(3e-3, f"peak learning rate (AdamW), in (0, {LR_MAX:g}]")
+    min_lr: float | None = _f(
+        None, "learning rate at the end of the cosine decay", default_help="lr / 10"
+    )
     weight_decay: float = _f(0.1, "AdamW weight decay on matrices and embeddings")
-    warmup: int = _f(20, "linear warmup steps (full-batch steps, with --batch-ramp)")
+    warmup: int | None = _f(
+        None,
+        "linear warmup steps (full-batch steps, with --batch-ramp)",
+        default_help=f"min({WARMUP_MAX}, max_steps // 5)",
+    )
     max_steps: int = _f(
         150,
         "optimizer steps (windows) to run; with --batch-ramp the run's length in full-batch "
@@ -163,7 +208,9 @@ class TrainConfig:
     )
     overwrite: bool = _f(False, "start over in an OUT that holds a run, deleting that run first")
     collective_timeout: float = _f(
-        600.0, "seconds a rank waits in a collective before the job ends with an error"
+        600.0,
+        "seconds a rank waits in a collective before the job ends with an error, in "
+        f"[{TIMEOUT_RANGE[0]:g}, {TIMEOUT_RANGE[1]:g}] (7 days)",
     )
 
     def __post_init__(self) -> None:
@@ -171,58 +218,71 @@ class TrainConfig:
         for f in dataclasses.fields(self):
             value = _coerce(f.name, getattr(self, f.name), hints[f.name])
             object.__setattr__(self, f.name, value)  # frozen: only normalises int -> float
+        self._normalise()
         self._validate()
+
+    def _set(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)  # frozen: normalising in __post_init__ only
+
+    def _normalise(self) -> None:
+        """One spelling for what the user may write in any case or with spaces, and the
+        automatic defaults (None) resolved to what the run uses (config.json records it)."""
+        if isinstance(self.micro_batch_size, str) and self.micro_batch_size.strip().lower() == AUTO:
+            self._set("micro_batch_size", AUTO)
+        if self.batch_ramp is not None:
+            self._set("batch_ramp", "".join(self.batch_ramp.split()).lower())
+        auto = set()
+        if not self.is_hf:  # an hf: model keeps None: its config.json sets the shape
+            for name, value in GPT_SHAPE.items():
+                if getattr(self, name) is None:
+                    self._set(name, value)
+                    auto.add(name)
+        if self.warmup is None and isinstance(self.max_steps, int):
+            # Short runs get a fifth of their length: the default never refuses them.
+            self._set("warmup", min(WARMUP_MAX, max(0, self.max_steps // 5)))
+            auto.add("warmup")
+        if self.min_lr is None and math.isfinite(self.lr):
+            # A tenth of lr as the decimal one would type: 3e-3 gives 3e-4, not 3.0000...03e-4.
+            self._set("min_lr", float(f"{self.lr / 10:.12g}"))
+            auto.add("min_lr")
+        self._set("_auto", frozenset(auto))
+
+    @property
+    def auto_fields(self) -> frozenset[str]:
+        """The fields given as None (automatic) and resolved from the others."""
+        return getattr(self, "_auto", frozenset())
 
     def _validate(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
                 raise ConfigError(f"{f.name} must be a finite number, got {value}")
-        positive = ("n_layer", "n_head", "d_model", "seq_len", "accum_steps")
-        for name in (*positive, "max_steps", "eval_batches", "log_every", "keep_checkpoints"):
+        shape = () if self.is_hf else tuple(GPT_SHAPE)  # hf: None, refused if given
+        for name in (*shape, *_AT_LEAST_ONE):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("warmup", "eval_every", "sample_tokens", "save_every", "threads"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.d_model % self.n_head or (self.d_model // self.n_head) % 2:
+        if shape and (self.d_model % self.n_head or (self.d_model // self.n_head) % 2):
             raise ConfigError(
                 f"d_model must be divisible by n_head with an even head size (for RoPE), got "
                 f"d_model={self.d_model}, n_head={self.n_head}"
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
-        if not self.lr > 0:
-            raise ConfigError(f"lr must be > 0, got {self.lr}")
-        if not 0.0 <= self.min_lr <= self.lr:
-            raise ConfigError(f"min_lr must be in [0, lr={self.lr}], got {self.min_lr}")
-        if self.weight_decay < 0:
-            raise ConfigError(f"weight_decay must be >= 0, got {self.weight_decay}")
-        if self.warmup > self.max_steps:
-            raise ConfigError(
-                f"warmup must be <= max_steps ({self.max_steps}), got {self.warmup}: the "
-                "learning rate would never reach lr"
-            )
+        self._validate_schedule()
         if not 0 <= self.seed < 2**32:
             raise ConfigError(f"seed must be in [0, 2**32), got {self.seed}")
         self._validate_batch()
         self._validate_model()
-        if not self.out.strip():
-            raise ConfigError("out must name a run folder, got an empty path")
-        if not self.collective_timeout > 0:
-            raise ConfigError(
-                f"collective_timeout must be > 0 seconds, got {self.collective_timeout}"
-            )
-        if self.resume is not None and self.resume_or_start:
-            raise ConfigError("resume and resume_or_start exclude each other; pass one of them")
-        if self.overwrite and (self.resume is not None or self.resume_or_start):
-            raise ConfigError("overwrite starts a new run: it cannot be combined with resume")
+        self._validate_run()
         check_choice("precision", self.precision, PRECISIONS, error=ConfigError)
         check_choice("strategy", self.strategy, STRATEGIES, error=ConfigError)
         check_choice("optimizer", self.optimizer, OPTIMIZERS, error=ConfigError)
         check_choice("lr_scaling", self.lr_scaling, LR_SCALINGS, error=ConfigError)
         if not 0.0 <= self.gns_beta < 1.0:
-            raise ConfigError(f"gns_beta must be in [0, 1), got {self.gns_beta}")
+            raise ConfigError(f"--gns-beta must be in [0, 1), got {self.gns_beta}")
         kind, colon, index = self.device.partition(":")
         if kind not in DEVICES or (colon and not (index.isdigit() and kind in ("cuda", "cpu"))):
             raise ConfigError(
@@ -233,17 +293,57 @@ class TrainConfig:
         except ValueError as exc:
             raise ConfigError(f"clip: {exc}") from exc
 
+    def _validate_schedule(self) -> None:
+        if not 0 < self.lr <= LR_MAX:
+            raise ConfigError(
+                f"--lr must be in (0, {LR_MAX:g}], got {self.lr:g}: a larger rate is far beyond "
+                "any optimizer's useful range and overflows its float32 arithmetic"
+            )
+        if not 0.0 <= self.min_lr <= self.lr:
+            raise ConfigError(
+                f"--min-lr must be in [0, --lr {self.lr:g}], got {self.min_lr:g} (leave it out "
+                "for lr / 10)"
+            )
+        if self.weight_decay < 0:
+            raise ConfigError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if self.warmup > self.max_steps:
+            raise ConfigError(
+                f"warmup must be <= max_steps ({self.max_steps}), got {self.warmup}: the "
+                "learning rate would never reach lr; pass a smaller --warmup, or leave it out "
+                f"(automatic: min({WARMUP_MAX}, max_steps // 5))"
+            )
+
+    def _validate_run(self) -> None:
+        """Where the run goes, how it resumes, how long a collective may wait."""
+        if not self.out.strip():
+            raise ConfigError("out must name a run folder, got an empty path")
+        low, high = TIMEOUT_RANGE
+        if not low <= self.collective_timeout <= high:
+            raise ConfigError(
+                f"--collective-timeout must be in [{low:g}, {high:g}] seconds (1 s to 7 days), "
+                f"got {self.collective_timeout:g}"
+            )
+        if self.resume is not None and self.resume_or_start:
+            raise ConfigError("--resume and --resume-or-start exclude each other; pass one of them")
+        if self.overwrite and (self.resume is not None or self.resume_or_start):
+            which = "--resume-or-start" if self.resume_or_start else "--resume"
+            raise ConfigError(
+                f"--overwrite starts a new run: it cannot be combined with {which}; pass one"
+            )
+
     def _validate_batch(self) -> None:
         mbs = self.micro_batch_size
         if mbs != AUTO and (isinstance(mbs, str) or mbs < 1):
-            raise ConfigError(f"micro_batch_size must be an int >= 1 or 'auto', got {mbs!r}")
+            raise ConfigError(
+                f"--micro-batch-size must be a whole number >= 1 or auto, got {mbs!r}"
+            )
         if mbs == AUTO and self.global_batch is None:
             raise ConfigError(
-                "micro_batch_size 'auto' needs global_batch (sequences per optimizer step): "
+                "--micro-batch-size auto needs --global-batch (sequences per optimizer step): "
                 "the planner chooses how to split it"
             )
         if self.global_batch is not None and self.global_batch < 1:
-            raise ConfigError(f"global_batch must be >= 1, got {self.global_batch}")
+            raise ConfigError(f"--global-batch must be >= 1, got {self.global_batch}")
         if self.batch_ramp is not None:
             self._validate_ramp()
         if self.memory_budget is not None:
@@ -266,9 +366,19 @@ class TrainConfig:
                 if getattr(self, name):
                     raise ConfigError(f"{name} needs model hf:PATH, got model {self.model!r}")
             return
+        shaped = [flag(name) for name in GPT_SHAPE if getattr(self, name) is not None]
+        if shaped:
+            raise ConfigError(
+                f"{', '.join(shaped)} shape the demo GPT only; with --model {self.model} the "
+                "model's config.json sets its shape: drop these flags"
+            )
         if self.auto_micro_batch or self.activation_checkpointing:
-            what = "micro_batch_size auto" if self.auto_micro_batch else "activation_checkpointing"
-            raise ConfigError(f"{what} plans the demo GPT only; it cannot be used with hf:PATH")
+            what = (
+                "--micro-batch-size auto plans"
+                if self.auto_micro_batch
+                else "--activation-checkpointing wraps the blocks of"
+            )
+            raise ConfigError(f"{what} the demo GPT only; it cannot be used with hf:PATH")
 
     @property
     def is_hf(self) -> bool:
@@ -283,15 +393,15 @@ class TrainConfig:
             raise ConfigError(str(exc)) from None
         if self.global_batch is not None:
             raise ConfigError(
-                "batch_ramp grows --accum-steps; it cannot be combined with global_batch"
+                "--batch-ramp grows --accum-steps; it cannot be combined with --global-batch"
             )
         if start > self.accum_steps:
             raise ConfigError(
-                f"batch_ramp START ({start}) must be <= accum_steps ({self.accum_steps}): the "
-                "ramp grows to --accum-steps"
+                f"--batch-ramp START ({start}) must be <= --accum-steps ({self.accum_steps}): "
+                "the ramp grows to --accum-steps"
             )
         if kind == "gns" and self.accum_steps < 2:
-            raise ConfigError("batch_ramp gns needs accum_steps >= 2: there is nothing to grow")
+            raise ConfigError("--batch-ramp gns needs --accum-steps >= 2: there is nothing to grow")
 
     @property
     def measures_gns(self) -> bool:

@@ -118,19 +118,36 @@ def default_corpus_files(max_bytes: int = DEFAULT_CORPUS_BYTES) -> tuple[Path, l
     return root, sorted(chosen, key=lambda p: p.relative_to(root).as_posix())
 
 
-def _read_text_file(path: Path) -> bytes | None:
-    """Return the bytes of a UTF-8 text file, or None for binary/undecodable/empty files."""
+def _read_text_file(path: Path) -> bytes | str:
+    """The bytes of a UTF-8 text file, or why it is skipped: "binary", "not UTF-8", "empty"."""
     try:
         data = path.read_bytes()
     except OSError as exc:
         raise DataError(f"--data: cannot read {str(path)!r}: {exc.strerror or exc}") from None
-    if not data or b"\x00" in data:  # NUL anywhere: binary, not text to train on
-        return None
+    if not data:
+        return "empty"
+    if b"\x00" in data:  # NUL anywhere: binary, not text to train on
+        return "binary (NUL bytes)"
     try:
         data.decode("utf-8")
     except UnicodeDecodeError:
-        return None
+        return "not UTF-8 text"
     return data
+
+
+def _none_usable(source: str, skipped: dict[str, list[str]]) -> DataError:
+    """The error for data with no usable file: why each kind of file was skipped."""
+    if not skipped:
+        return DataError(f"--data {source!r}: no files found (hidden ones are skipped)")
+    reasons = "; ".join(
+        f"{len(names)} files are {why}, e.g. {names[0]!r}"
+        if len(names) > 1
+        else f"{names[0]!r} is {why}"
+        for why, names in skipped.items()
+    )
+    return DataError(
+        f"--data {source!r}: no non-empty UTF-8 text files found ({reasons}); give text files"
+    )
 
 
 def _user_files(spec: str) -> tuple[Path, list[Path]]:
@@ -182,13 +199,16 @@ def load_corpus(data: str | None = None, max_bytes: int = DEFAULT_CORPUS_BYTES) 
     else:
         root, paths = _user_files(data)
         source = data
-    docs = []
+    docs, skipped = [], {}
     for path in paths:
         content = _read_text_file(path)
-        if content is not None:
-            docs.append(Document(path.relative_to(root).as_posix(), content))
+        name = path.relative_to(root).as_posix()
+        if isinstance(content, str):
+            skipped.setdefault(content, []).append(name)
+        else:
+            docs.append(Document(name, content))
     if not docs:
-        raise DataError(f"--data {source!r}: no non-empty UTF-8 text files found")
+        raise _none_usable(source, skipped)
     train, val = _split_by_file(docs)
     return Corpus(train=train, val=val, source=source)
 

@@ -9,6 +9,8 @@ corpus stays: the model's vocabulary must hold the 256 byte values.
 
 from __future__ import annotations
 
+import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradstep import LossSum
+from gradstep import LossSum, parallel
 from gradstep.hf import causal_lm_loss, count_tokens
 
 from .config import ConfigError, TrainConfig
@@ -92,8 +94,39 @@ def hf_config(cfg: TrainConfig) -> Any:
             )
         config.output_router_logits = True
         config.router_aux_loss_coef = cfg.aux_loss_coef
+    for line in _notes(cfg, path, config):
+        _note(line)
     config.use_cache = False  # training: no KV cache built in every forward
     return config
+
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+
+
+def _notes(cfg: TrainConfig, path: Path, config: Any) -> list[str]:
+    """What the run silently does differently from what the model folder suggests."""
+    notes = []
+    folder = path if path.is_dir() else path.parent
+    weights = [name for name in WEIGHT_FILES if (folder / name).is_file()]
+    if weights:
+        notes.append(
+            f"model {cfg.model!r}: {weights[0]} is not loaded; hf:PATH builds the model from "
+            f"its config with random weights (--seed {cfg.seed})"
+        )
+    routed = hasattr(config, "router_aux_loss_coef")
+    if routed and cfg.aux_loss_coef is None and not getattr(config, "output_router_logits", False):
+        notes.append(
+            f"model {cfg.model!r} is a mixture of experts whose config has "
+            "output_router_logits false: its router load-balancing loss is off; pass "
+            f"--aux-loss-coef COEF (the config's is {config.router_aux_loss_coef}) to turn it on"
+        )
+    return notes
+
+
+def _note(line: str) -> None:
+    """A line for the user on stderr, from rank 0 only (as train's other notes)."""
+    if parallel.is_main():
+        print(line, file=sys.stderr)
 
 
 def _with_lora(model: nn.Module, r: int) -> nn.Module:
@@ -102,8 +135,15 @@ def _with_lora(model: nn.Module, r: int) -> nn.Module:
     except ImportError:
         raise ConfigError("lora needs peft: pip install 'gradstep[hf]'") from None
     try:
-        # target_modules=None: PEFT's own choice for the model type, its attention projections.
-        return get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0))
+        with warnings.catch_warnings():
+            # PEFT reads transformers' deprecated `is_gradient_checkpointing`: its warning is
+            # about PEFT's code, nothing the user can act on.
+            warnings.filterwarnings(
+                "ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning
+            )
+            # target_modules=None: PEFT's own choice for the model type, its attention
+            # projections.
+            return get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0))
     except ValueError as exc:
         raise ConfigError(f"lora: PEFT cannot place adapters in this model ({exc})") from None
 

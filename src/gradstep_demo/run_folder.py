@@ -3,6 +3,9 @@
 - A folder that holds a run (its config, metrics, summary or checkpoints) is only trained
   into again with ``--resume`` / ``--resume-or-start`` (continue it) or ``--overwrite``
   (delete that run's files first): two runs never mix in one folder.
+- A run folder never lies inside another run's folder or a checkpoints folder, and a run
+  resumed from another folder's checkpoint trains into an empty folder: a folder holding
+  another run is never written to.
 - One trainer at a time: rank 0 holds an exclusive ``flock`` on ``OUT/.gradstep.lock`` for
   the whole run; the kernel releases it when the process ends, however it ends.
 - ``--resume`` that finds no valid checkpoint is an error (``--resume-or-start`` is the
@@ -21,15 +24,16 @@ import contextlib
 import dataclasses
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from gradstep.checkpoint import Checkpointer, CheckpointInfo
 from gradstep.checkpoint.codec import decode
+from gradstep.checkpoint.layout import written_by_gradstep
 from gradstep.metrics import FINISHED_FILE
 
-from .config import RESUME_AUTO, ConfigError, TrainConfig
+from .config import GPT_SHAPE, RESUME_AUTO, ConfigError, TrainConfig, flag
 
 try:
     import fcntl
@@ -47,6 +51,7 @@ __all__ = [
     "merge_settings",
     "prepare",
     "resumed_settings",
+    "schedule_horizon",
 ]
 
 LOCK_FILE = ".gradstep.lock"
@@ -102,16 +107,29 @@ def holds_run(out: Path) -> bool:
 
 
 @contextlib.contextmanager
-def locked(out: Path) -> Iterator[None]:
-    """Create ``out`` and hold its lock for the ``with`` block (rank 0 only)."""
+def locked(out: Path) -> Iterator[Callable[[], None]]:
+    """Create ``out`` and hold its lock for the ``with`` block (rank 0 only).
+
+    Yields ``claim()``, which writes this process's pid into the lock file (what a second
+    trainer's refusal names): called once the run is accepted, so a refused invocation
+    leaves the lock file of a folder holding a run as it was.
+    """
+    _refuse_nested(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        handle = open(out / LOCK_FILE, "a+")  # noqa: SIM115 - held open for the whole run
     except FileExistsError:
         raise ConfigError(f"--out {str(out)!r} exists and is not a folder") from None
     except OSError as exc:
         raise ConfigError(
             f"--out {str(out)!r}: cannot write the run folder ({exc.strerror or exc})"
+        ) from None
+    lock = out / LOCK_FILE
+    try:
+        handle = open(lock, "a+")  # noqa: SIM115 - held open for the whole run
+    except OSError as exc:
+        raise ConfigError(
+            f"--out {str(out)!r}: cannot open its lock file {str(lock)!r} "
+            f"({exc.strerror or exc}); it only keeps two trainers apart: delete it and retry"
         ) from None
     with handle:
         if fcntl is not None:
@@ -124,11 +142,51 @@ def locked(out: Path) -> Iterator[None]:
                     f"--out {str(out)!r} is in use by another gradstep train (pid {holder}); "
                     "wait for it to finish or train into another --out"
                 ) from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"{os.getpid()}\n")
-        handle.flush()
-        yield
+
+        def claim() -> None:
+            handle.seek(0)
+            handle.truncate()
+            handle.write(f"{os.getpid()}\n")
+            handle.flush()
+
+        yield claim
+
+
+def _has_checkpoints(folder: Path) -> bool:
+    """True when ``folder`` holds gradstep ``step-N`` checkpoint folders."""
+    try:
+        return any(written_by_gradstep(p) for p in Checkpointer(folder).checkpoints())
+    except OSError:
+        return False
+
+
+def _holds_metrics(folder: Path) -> bool:
+    try:
+        return (folder / "metrics.jsonl").is_file()
+    except OSError:
+        return False
+
+
+def _refuse_nested(out: Path) -> None:
+    """``out`` must not be a checkpoints folder, nor lie inside a run folder or a
+    checkpoints folder: training there would change that run's tree. Checked before the
+    folder or its lock file is created."""
+    here = out.resolve()
+    if _has_checkpoints(here):
+        raise ConfigError(
+            f"--out {str(out)!r} holds checkpoints (step-N folders): it is a checkpoints "
+            f"folder, not a run folder; to continue it pass --resume {str(out)!r} with a new "
+            "--out"
+        )
+    for parent in here.parents:
+        # metrics.jsonl marks a run folder; a project folder that merely holds a
+        # checkpoints/ of the library's own use is not one (its runs/ stays usable).
+        if _holds_metrics(parent) or _has_checkpoints(parent):
+            raise ConfigError(
+                f"--out {str(out)!r} lies inside {str(parent)!r}, which holds a run or "
+                "checkpoints; a run folder never goes inside another: choose an --out "
+                "outside it"
+            )
 
 
 def find_checkpoint(cfg: TrainConfig) -> CheckpointInfo | None:
@@ -137,6 +195,7 @@ def find_checkpoint(cfg: TrainConfig) -> CheckpointInfo | None:
     out = Path(cfg.out)
     if cfg.resume is None and not cfg.resume_or_start:
         return None
+    which = _resume_flag(cfg)
     if cfg.resume_or_start or cfg.resume == RESUME_AUTO:
         where = out / "checkpoints"
     else:
@@ -156,9 +215,18 @@ def find_checkpoint(cfg: TrainConfig) -> CheckpointInfo | None:
         if cfg.resume_or_start
         else "--resume-or-start starts a new run when there is none"
     )
-    raise ConfigError(
-        f"--resume: no valid checkpoint in {str(where)!r} (unusable ones are listed above); {hint}"
-    )
+    listed = Checkpointer(where).checkpoints() if where.is_dir() else []
+    why = " (the unusable ones are listed above)" if listed else ""
+    raise ConfigError(f"{which}: no valid checkpoint in {str(where)!r}{why}; {hint}")
+
+
+def _resume_flag(cfg: TrainConfig) -> str:
+    return "--resume-or-start" if cfg.resume_or_start else "--resume"
+
+
+def _own_checkpoint(out: Path, info: CheckpointInfo) -> bool:
+    """True when ``info`` is one of ``out``'s own checkpoints (``OUT/checkpoints/step-N``)."""
+    return info.path.resolve().parent == (out / "checkpoints").resolve()
 
 
 def prepare(cfg: TrainConfig, info: CheckpointInfo | None) -> None:
@@ -167,7 +235,7 @@ def prepare(cfg: TrainConfig, info: CheckpointInfo | None) -> None:
     if not holds_run(out):
         return
     if info is not None:
-        if info.path.resolve().is_relative_to(out.resolve()):
+        if _own_checkpoint(out, info):
             return  # continuing this folder's own run
         raise ConfigError(
             f"--out {str(out)!r} holds another run; a run resumed from {str(info.path)!r} "
@@ -189,16 +257,39 @@ def prepare(cfg: TrainConfig, info: CheckpointInfo | None) -> None:
 def saved_settings(info: CheckpointInfo) -> dict[str, Any] | None:
     """The settings the checkpointed run ran with (None for checkpoints that predate them)."""
     entry = info.manifest["objects"].get("config")
-    return None if entry is None else decode(entry["state"], {})
+    if entry is None:
+        return None
+    saved = decode(entry["state"], {})
+    if str(saved.get("model", "gpt")).startswith("hf:"):
+        # Older checkpoints recorded the demo GPT's shape for an hf: model, where it never
+        # applied (the model's config.json sets it): null, as a new run records.
+        saved.update(dict.fromkeys(GPT_SHAPE))
+    return saved
+
+
+def schedule_horizon(info: CheckpointInfo) -> int | None:
+    """The max_steps where the checkpointed run's LR schedule ends: saved with the schedule
+    (it survives extensions), else (older checkpoints) the run's max_steps, else None."""
+    entry = info.manifest["objects"].get("scheduler")
+    state = decode(entry["state"], {}) if entry is not None and "state" in entry else None
+    if isinstance(state, dict) and "max_steps" in state:
+        return int(state["max_steps"])
+    saved = saved_settings(info)
+    return None if saved is None else int(saved["max_steps"])
 
 
 def merge_settings(
-    cfg: TrainConfig, saved: dict[str, Any], given: frozenset[str], elastic_accum: int
+    cfg: TrainConfig,
+    saved: dict[str, Any],
+    given: frozenset[str],
+    elastic_accum: int,
+    horizon: int | None = None,
 ) -> tuple[TrainConfig, list[str]]:
     """The settings a resumed run runs with, and the lines that say what was decided.
 
     ``given`` are the fields this invocation set explicitly (flags, config file). A field
     not given takes the checkpoint's value; a given one must be continuable or fit.
+    ``horizon``: the checkpoint's LR schedule horizon (default: its max_steps).
     """
     now = dataclasses.asdict(cfg)
     merged, refused, taken = dict(saved), [], []
@@ -219,26 +310,39 @@ def merge_settings(
                 )
             merged[name] = elastic_accum
         elif name in given and value != saved[name]:
-            flag = "--" + name.replace("_", "-")
-            refused.append(f"{flag} {value!r} (the checkpoint ran {saved[name]!r})")
-        elif value != saved[name]:
+            refused.append(f"{flag(name)} {value!r} (the checkpoint ran {saved[name]!r})")
+        elif value != saved[name] and not (saved[name] is None and name in cfg.auto_fields):
             taken.append(f"{name}={saved[name]!r}")
     if refused:
         raise ConfigError(
-            "--resume continues a run with its own settings; refused: "
+            f"{_resume_flag(cfg)} continues a run with its own settings; refused: "
             + "; ".join(refused)
             + ". Drop these flags, or start a new run with another --out"
         )
     notes = [f"resume: the checkpoint's settings apply: {', '.join(taken)}"] if taken else []
-    if merged["max_steps"] != saved["max_steps"]:
-        notes.append(
-            f"resume: training to step {merged['max_steps']}; the learning-rate schedule "
-            f"keeps the checkpoint's max_steps {saved['max_steps']}"
-        )
+    horizon = saved["max_steps"] if horizon is None else horizon
+    notes += _horizon_notes(merged["max_steps"], horizon, merged["min_lr"])
     try:
         return TrainConfig(**merged), notes
     except ConfigError as exc:
-        raise ConfigError(f"--resume: the resumed settings do not fit: {exc}") from None
+        raise ConfigError(f"{_resume_flag(cfg)}: the resumed settings do not fit: {exc}") from None
+
+
+def _horizon_notes(max_steps: int, horizon: int, min_lr: float) -> list[str]:
+    """What a resume to another --max-steps does to the LR schedule, which keeps its
+    horizon (docs/demo.md, run-folder rules)."""
+    keeps = f"the learning-rate schedule keeps the checkpoint's max_steps {horizon}"
+    if max_steps > horizon:
+        return [
+            f"resume: training to step {max_steps}; {keeps}: its cosine ends at step "
+            f"{horizon} and the later steps run at --min-lr {min_lr:g}"
+        ]
+    if max_steps < horizon:
+        return [
+            f"resume: stopping at step {max_steps}; {keeps}, so the run ends before its "
+            f"learning rate has decayed to --min-lr {min_lr:g}"
+        ]
+    return []
 
 
 def resumed_settings(
@@ -263,4 +367,4 @@ def resumed_settings(
         elastic = cfg.accum_steps if info.accum_steps is None else info.accum_steps_for(world)
     if saved is None:  # an older checkpoint: only the global batch is known
         return dataclasses.replace(cfg, accum_steps=elastic), []
-    return merge_settings(cfg, saved, given, elastic)
+    return merge_settings(cfg, saved, given, elastic, schedule_horizon(info))

@@ -13,6 +13,7 @@ that many sequences, in more (smaller) optimizer steps.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -41,7 +42,9 @@ class WarmupCosine:
     """LR multiplier at clock ``t`` (full-batch steps): linear warm-up, then cosine decay.
 
     A pure function (and a picklable object, not a lambda). Warm-up starts at ``1 / warmup``
-    rather than 0 so the first step is not wasted.
+    rather than 0 so the first step is not wasted. Never above 1, also at a fractional clock
+    (a batch ramp's) between ``warmup - 1`` and ``warmup``, where the ramp is complete.
+    From ``max_steps`` on (the steps of an extended run) it stays at ``min_ratio``.
     """
 
     warmup: int
@@ -50,9 +53,13 @@ class WarmupCosine:
 
     def __call__(self, step: float) -> float:
         if step < self.warmup:
-            return (step + 1) / self.warmup
+            return min(1.0, (step + 1) / self.warmup)
+        if step >= self.max_steps:  # an extended run's later steps (also when warmup=max_steps)
+            return self.min_ratio
         progress = min(1.0, (step - self.warmup) / max(1, self.max_steps - self.warmup))
-        return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+        half_cos = 0.5 * (1.0 + math.cos(math.pi * progress))
+        # min(): min_ratio + (1 - min_ratio) may round one ulp above 1.
+        return min(1.0, self.min_ratio + (1.0 - self.min_ratio) * half_cos)
 
 
 @dataclass
@@ -61,7 +68,9 @@ class LRSchedule:
 
     ``lr`` is the peak, tuned for ``base_micro_batches`` per rank per step; ``scaling``
     (``none``/``linear``/``sqrt``, :func:`gradstep.scale_lr`) rescales it to the batch a
-    step actually uses. Saved in checkpoints (``state_dict``) so a resume continues it.
+    step actually uses. Saved in checkpoints (``state_dict``) so a resume continues it: the
+    clock, and the horizon (``shape.max_steps``), which a resume with a larger
+    ``--max-steps`` keeps (the later steps run at the cosine's end, ``min_ratio``).
     """
 
     shape: WarmupCosine
@@ -73,9 +82,19 @@ class LRSchedule:
     """Micro-batches, over all ranks, of the steps taken so far: the clock. Counted over
     all ranks so that a resume on another world size (same global batch) keeps it."""
 
+    @property
+    def full_step(self) -> int:
+        """Micro-batches over all ranks of one full-batch step: the clock's unit."""
+        return self.base_micro_batches * self.world
+
+    @property
+    def clock(self) -> float:
+        """Full-batch steps' worth of micro-batches the taken steps trained on."""
+        return self.trained / self.full_step
+
     def lr_for(self, micro_batches: int) -> float:
         """The LR of a step of ``micro_batches`` per rank."""
-        clock = self.trained / (self.base_micro_batches * self.world)
+        clock = self.clock
         peak = scale_lr(self.lr, micro_batches, self.base_micro_batches, self.scaling)
         return peak * self.shape(clock)
 
@@ -91,26 +110,46 @@ class LRSchedule:
             self.trained += micro_batches * self.world
 
     def state_dict(self) -> dict[str, Any]:
-        return {"trained": self.trained}
+        return {"trained": self.trained, "full_step": self.full_step, "max_steps": self.horizon}
+
+    @property
+    def horizon(self) -> int:
+        """The step (in full-batch steps) where the cosine reaches ``min_ratio``."""
+        return self.shape.max_steps
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue a saved clock and horizon. The clock is rescaled to this run's unit: an
+        exact global batch may be split into other micro-batches (another world size or
+        --micro-batch-size), a full step is still a full step. Checkpoints from before the
+        horizon was saved keep the one this schedule was built with."""
         if "trained" not in state:
             raise ValueError(
                 "scheduler state: this checkpoint holds a step-keyed LambdaLR state from an "
                 "older gradstep; resume it with that version, or start a new run"
             )
-        self.trained = int(state["trained"])
+        saved_unit = int(state.get("full_step", self.full_step))
+        trained, rest = divmod(int(state["trained"]) * self.full_step, saved_unit)
+        if rest:
+            raise ValueError(
+                f"scheduler state: {state['trained']} micro-batches of full steps of "
+                f"{saved_unit} are no whole number of this run's full steps of "
+                f"{self.full_step}; resume with the checkpoint's batch layout"
+            )
+        self.trained = trained
+        if "max_steps" in state:
+            self.shape = dataclasses.replace(self.shape, max_steps=int(state["max_steps"]))
 
 
 def parse_ramp(spec: str) -> tuple[str, int, int]:
     """``START:STEPS`` -> ("linear", START, STEPS); ``gns`` -> ("gns", 0, 0)."""
-    if spec == "gns":
+    text = "".join(spec.split()).lower()  # any case, spaces ignored, as --clip
+    if text == "gns":
         return "gns", 0, 0
-    start, colon, steps = spec.partition(":")
+    start, colon, steps = text.partition(":")
     if not (colon and start.isdigit() and steps.isdigit() and int(start) >= 1 and int(steps) >= 1):
         raise ValueError(
-            f"batch_ramp must be START:STEPS (ints >= 1: micro-batches per rank to start "
-            f"with, optimizer steps to reach --accum-steps) or gns, got {spec!r}"
+            f"--batch-ramp must be START:STEPS (whole numbers >= 1: micro-batches per rank to "
+            f"start with, optimizer steps to reach --accum-steps) or gns, got {spec!r}"
         )
     return "linear", int(start), int(steps)
 
@@ -140,8 +179,8 @@ class BatchRamp:
             start = min(full, 2 if world == 1 else 1)
         if start > full:
             raise ValueError(
-                f"batch_ramp START ({start}) must be <= accum_steps ({full}): the ramp grows "
-                "to --accum-steps"
+                f"--batch-ramp START ({start}) must be <= --accum-steps ({full}): the ramp "
+                "grows to --accum-steps"
             )
         return cls(kind, full, start, steps, current=start)
 

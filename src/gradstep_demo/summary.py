@@ -53,12 +53,20 @@ def build(run: Any, losses: dict[str, Any], started: float) -> dict[str, Any]:
     }
 
 
+def _parameters(summary: dict[str, Any]) -> str:
+    """The parameter count, with how many of them train (fewer with --lora's frozen base)."""
+    total, trainable = summary["parameters"], summary["trainable_parameters"]
+    if trainable == total:
+        return f"{total:,} parameters, all trainable"
+    return f"{total:,} parameters, {trainable:,} trainable ({100 * trainable / total:.2f}%)"
+
+
 def show(summary: dict[str, Any]) -> None:
     """The summary as the few lines printed at the end of a run."""
     print(
         f"\n{summary['steps']} steps in {summary['wall_time_s']:.1f}s "
         f"({summary['train_tokens_per_s']:,.0f} tok/s while stepping), "
-        f"{summary['parameters']:,} parameters\n"
+        f"{_parameters(summary)}\n"
         f"effective batch: {summary['effective_batch_sequences']} sequences "
         f"({summary['world_size']} rank(s), strategy {summary['strategy']}), <= "
         f"{summary['max_tokens_per_step']:,} tokens/step "

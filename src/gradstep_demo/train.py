@@ -41,7 +41,7 @@ from gradstep.metrics import FINISHED_FILE, MetricsLogger
 from gradstep.metrics import jsonable as _jsonable
 from gradstep.policies import clip_policies
 
-from . import planning, run_folder, summary
+from . import planning, preflight, run_folder, summary
 from .batching import Layout, layout_for, windows_of
 from .config import ConfigError, TrainConfig
 from .data import Batch, Corpus, DataError, TrainBatches, load_corpus, validation_batches
@@ -57,34 +57,6 @@ TRAIN_LOSS_WINDOW = 10  # final train loss = token-weighted mean over the last N
 def loss_for(cfg: TrainConfig, device: torch.device) -> tuple[Callable, Callable | None]:
     """(loss_fn, count) of the run's model: an HF model's may hold a router aux term."""
     return (HFLoss(device), count_batch) if cfg.is_hf else (LMLoss(device), None)
-
-
-def _check_launch(cfg: TrainConfig, env: parallel.DistEnv) -> None:
-    """--strategy and the launcher must agree: N processes without a strategy would train N
-    unrelated models, and a strategy without torchrun has no other rank to sync with."""
-    if cfg.strategy == "none" and env.world_size > 1:
-        raise ConfigError(
-            f"launched as {env.world_size} processes but strategy='none'; "
-            "use --strategy ddp or --strategy fsdp"
-        )
-    if cfg.strategy != "none" and env.backend is None:
-        raise ConfigError(
-            f"strategy={cfg.strategy!r} needs a torchrun launch, e.g. torchrun "
-            f"--nproc_per_node=2 -m gradstep train --strategy {cfg.strategy}"
-        )
-    if env.device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device={cfg.device!r}: this torch build or machine has no CUDA")
-    if env.device.type == "cuda" and env.device.index >= torch.cuda.device_count():
-        raise ConfigError(
-            f"device={cfg.device!r}: only {torch.cuda.device_count()} CUDA device(s) here"
-        )
-    if env.device.type == "mps" and not torch.backends.mps.is_available():
-        raise ConfigError(f"device={cfg.device!r}: MPS is not available on this machine")
-    if cfg.eval_batches < env.world_size:
-        raise ConfigError(
-            f"eval_batches must be >= the number of ranks ({env.world_size}): every rank "
-            f"evaluates at least one batch, got {cfg.eval_batches}"
-        )
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -176,7 +148,10 @@ def _setup(
         checkpoint_blocks(model)  # before sharding, as FSDP2 expects
     model = parallel.prepare_model(model, cfg.strategy, cfg.precision)
     optimizer = build_optimizer(model, cfg)  # after sharding: FSDP2 steps its shards
-    shape = WarmupCosine(cfg.warmup, cfg.max_steps, cfg.min_lr / cfg.lr)
+    # A resume keeps the checkpoint's horizon (loaded with the schedule's state; older
+    # checkpoints: their run's max_steps), however far this invocation trains.
+    horizon = run_folder.schedule_horizon(info) if info is not None else None
+    shape = WarmupCosine(cfg.warmup, horizon or cfg.max_steps, cfg.min_lr / cfg.lr)
     schedule = LRSchedule(shape, cfg.lr, layout.micro_batches, cfg.lr_scaling, world)
     clip = clip_policies(cfg.clip, cfg.spike_guard, model)  # agc: output layer excluded
     gns = GradientNoiseScale(cfg.gns_beta) if cfg.measures_gns else None
@@ -409,7 +384,8 @@ def train(
     ``given`` names the settings the caller set on purpose (the CLI: flags and config-file
     keys); on a resume those are checked against the checkpoint's, the others take the
     checkpoint's values (see :mod:`gradstep_demo.run_folder`). None: every setting that
-    differs from its default counts as given.
+    differs from its default counts as given, except automatic ones left as None (e.g. the
+    warm-up, which follows max_steps).
 
     Under torchrun (``--strategy ddp|fsdp``) every rank runs this; the process group is
     created here (unless the caller made one) and closed at the end; only rank 0 prints
@@ -421,7 +397,7 @@ def train(
         given = [
             f.name
             for f in dataclasses.fields(cfg)
-            if getattr(cfg, f.name) != getattr(defaults, f.name)
+            if f.name not in cfg.auto_fields and getattr(cfg, f.name) != getattr(defaults, f.name)
         ]
     owns_group = not parallel.is_initialized()
     env = parallel.init(cfg.device, timeout_s=cfg.collective_timeout)
@@ -459,17 +435,16 @@ def _train(
     callbacks: Sequence[Callable],
     given: frozenset[str],
 ) -> dict[str, Any]:
-    _check_launch(cfg, env)
+    preflight.check_run(cfg, env)  # before the run folder is touched
     with contextlib.ExitStack() as folder:
-
-        def lock() -> None:
-            folder.enter_context(run_folder.locked(Path(cfg.out)))
-
-        _on_rank0(lock)
+        claims: list[Callable[[], None]] = []
+        _on_rank0(lambda: claims.append(folder.enter_context(run_folder.locked(Path(cfg.out)))))
         info = run_folder.find_checkpoint(cfg)
         _on_rank0(lambda: run_folder.prepare(cfg, info))
         cfg, notes = run_folder.resumed_settings(cfg, info, given, env.world_size)
-        planning.prepare_process(cfg, env.device)
+        preflight.check_run(cfg, env)  # the resumed settings, before anything is planned
+        _on_rank0(lambda: claims[0]())  # accepted: the lock file names this process
+        notes += planning.prepare_process(cfg, env.device) or []
         planned = None
         if cfg.auto_micro_batch:
             planned = _plan(cfg, env)
@@ -483,7 +458,7 @@ def _train(
             cfg = run.cfg = dataclasses.replace(cfg, accum_steps=run.layout.micro_batches)
         if planned is not None:
             run.planned_peak_mb = planned.plan.predicted_peak_bytes / 2**20
-        for line in notes:
+        for line in [*notes, *_gns_notes(run, given)]:
             _note(run, line)
         if run.finished(run.start):
             _note(
@@ -499,6 +474,21 @@ def _train(
                 plan_json = json.dumps(_jsonable(planned.to_json()), indent=2)
                 (run.out / "plan.json").write_text(plan_json + "\n")
         return _run_loop(run, started, callbacks)
+
+
+def _gns_notes(run: _Run, given: frozenset[str]) -> list[str]:
+    """Noise-scale settings that would silently do nothing."""
+    if run.gns is None:
+        if "gns_beta" in given:
+            return ["note: --gns-beta has no effect without --gns or --batch-ramp gns"]
+        return []
+    if run.layout.micro_batches * run.world_size < 2:
+        what = "--global-batch" if run.layout.rows_per_rank is not None else "--accum-steps"
+        return [
+            "note: --gns compares the micro-batches of a step with their sum and needs at "
+            f"least 2 per step over all ranks; with 1, gns_b_simple stays null: raise {what}"
+        ]
+    return []
 
 
 def _plan(cfg: TrainConfig, env: parallel.DistEnv) -> planning.Planned:

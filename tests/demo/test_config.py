@@ -63,7 +63,7 @@ def test_missing_and_invalid_toml(tmp_path: Path) -> None:
         ({"micro_batch_size": True}, "micro_batch_size"),
         ({"n_head": 7}, "n_head"),
         ({"dropout": 1.0}, "dropout"),
-        ({"min_lr": 1.0}, "min_lr"),
+        ({"min_lr": 1.0}, "--min-lr"),
         ({"warmup": -1}, "warmup"),
         ({"device": "tpu"}, "device"),
         ({"threads": -1}, "threads"),

@@ -159,5 +159,31 @@ def test_user_data_file_folder_and_glob(tmp_path: Path) -> None:
 
     with pytest.raises(DataError, match="no such"):
         load_corpus(str(tmp_path / "missing"))
-    with pytest.raises(DataError, match="no non-empty UTF-8"):
+    with pytest.raises(DataError, match="no files found"):
         load_corpus(str(tmp_path / "*.nothing"))
+
+
+def test_refused_files_say_why(tmp_path: Path) -> None:
+    """Robustness O16: text followed by NUL bytes was refused as "no non-empty UTF-8 text"
+    without saying the file is binary. Each refused kind of file is named with its reason."""
+    nul_later = tmp_path / "nulllater.txt"
+    nul_later.write_bytes(b"print('hello')\n" * 800 + b"\x00" * 50_000)  # NUL after 12 KB
+    with pytest.raises(DataError) as exc:
+        load_corpus(str(nul_later))
+    assert "'nulllater.txt' is binary (NUL bytes)" in str(exc.value), exc.value
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    (mixed / "a.bin").write_bytes(b"\x00\x01")
+    (mixed / "b.bin").write_bytes(b"abc\x00")
+    (mixed / "empty.txt").write_bytes(b"")
+    (mixed / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    with pytest.raises(DataError) as exc:
+        load_corpus(str(mixed))
+    message = str(exc.value)
+    assert message.startswith(f"--data {str(mixed)!r}: no non-empty UTF-8 text files found")
+    for part in ("2 files are binary (NUL bytes), e.g. 'a.bin'", "'empty.txt' is empty",
+                 "'latin1.txt' is not UTF-8 text"):  # fmt: skip
+        assert part in message, message
+    (mixed / "ok.txt").write_text("text " * 100)  # one usable file: the others are skipped
+    corpus = load_corpus(str(mixed))
+    assert [d.name for d in corpus.train + corpus.val] == ["ok.txt", "ok.txt#val"]

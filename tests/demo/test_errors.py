@@ -154,12 +154,12 @@ def test_eval_batches_below_the_world_size_is_an_error():
 
     from gradstep.parallel import DistEnv
     from gradstep_demo.config import ConfigError, TrainConfig
-    from gradstep_demo.train import _check_launch
+    from gradstep_demo.preflight import check_run
 
     env = DistEnv(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"), backend="gloo")
-    with pytest.raises(ConfigError, match=r"eval_batches must be >= the number of ranks \(2\)"):
-        _check_launch(TrainConfig(strategy="ddp", eval_batches=1), env)
-    _check_launch(TrainConfig(strategy="ddp", eval_batches=2), env)
+    with pytest.raises(ConfigError, match=r"--eval-batches must be >= the number of ranks \(2\)"):
+        check_run(TrainConfig(strategy="ddp", eval_batches=1), env)
+    check_run(TrainConfig(strategy="ddp", eval_batches=2), env)
 
 
 def test_the_collective_timeout_reaches_the_process_group(tmp_path, capsys, monkeypatch):
@@ -208,3 +208,59 @@ def test_a_stuck_rank_ends_in_an_error_not_a_hang():
 
     first, _ = run_ranks(_stuck_peer, 2, timeout=40, collective_timeout_s=2)
     assert first["outcome"] != "returned" and first["waited"] < 4.5, first
+
+
+@pytest.mark.parametrize(
+    ("error", "needles"),
+    [
+        (OSError(27, "File too large", "/runs/r/metrics.jsonl"), ["'/runs/r/metrics.jsonl'",
+                                                                "ulimit -f", "--resume"]),
+        (OSError(28, "No space left on device", "/runs/r/ck/model.safetensors"),
+         ["'/runs/r/ck/model.safetensors'", "the disk is full", "--out"]),
+        (OSError(18, "Invalid cross-device link", "/a", None, "/b"), ["'/a' -> '/b'"]),
+        (OSError(5, "Input/output error"), ["Input/output error"]),
+    ],
+)  # fmt: skip
+def test_an_os_error_is_one_line_naming_the_file(capsys, monkeypatch, error, needles):
+    """N119: a full disk printed `[Errno 27] File too large`, not the file nor what to do.
+    Failures of the machine keep exit status 1 (user mistakes: 2)."""
+    from gradstep_demo import train as demo_train
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise error
+
+    monkeypatch.setattr(demo_train, "train", fail)
+    code, err = run(capsys, "train", *SMALL)
+    lines = err.strip().splitlines()
+    assert code == 1 and len(lines) == 1 and lines[0].startswith("gradstep train: error: ")
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_a_real_file_size_limit_during_the_metrics_write_names_the_file(corpus, tmp_path):
+    """N119 for real: RLIMIT_FSIZE (EFBIG, as `ulimit -f`) hit by metrics.jsonl."""
+    import os
+    import resource
+    import subprocess
+    import sys
+
+    limit = 4096  # config.json fits; metrics.jsonl reaches it within a few steps
+
+    def limited() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    out = tmp_path / "run"
+    flags = [a if a != "2" or i != SMALL.index("--max-steps") + 1 else "40"
+             for i, a in enumerate(SMALL)]  # fmt: skip
+    cmd = [sys.executable, "-m", "gradstep", "train", *flags, "--accum-steps", "1",
+           "--data", str(corpus), "--out", str(out)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=140, env=env, preexec_fn=limited
+    )
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert len(errors) == 1 and str(out / "metrics.jsonl") in errors[0], proc.stderr
+    assert "ulimit -f" in errors[0]

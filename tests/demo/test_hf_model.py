@@ -4,6 +4,7 @@ to a temporary folder (random init, nothing downloaded)."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -40,20 +41,31 @@ def _rows(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_lora_run_resumes_exactly_from_an_adapter_only_checkpoint(tmp_path: Path) -> None:
+def test_lora_run_resumes_exactly_from_an_adapter_only_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = _config(tmp_path, "llama") / "config.json"  # a config.json file works too
     run = ["train", *TINY, "--model", f"hf:{path}", "--lora", "4", "--clip", "agc"]
-    straight, split = tmp_path / "straight", tmp_path / "split"
-    assert main([*run, "--max-steps", "4", "--out", str(straight)]) == 0
-    assert main([*run, "--max-steps", "2", "--save-every", "2", "--out", str(split)]) == 0
-    assert main([*run, "--max-steps", "4", "--resume", "--out", str(split)]) == 0
+    out = tmp_path / "run"
+    assert main([*run, "--max-steps", "4", "--save-every", "2", "--out", str(out)]) == 0
+    # hf-client friction 12: the end-of-run line gave the total only. LoRA r=4 on PEFT's
+    # llama targets q_proj (32 -> 32) and v_proj (32 -> 2 kv heads x 8 = 16), per layer:
+    # r x in + out x r = 4*32 + 32*4 + 4*32 + 16*4 = 448; 2 layers: 896 trainable.
+    total = json.loads((out / "summary.json").read_text())["parameters"]
+    line = f"{total:,} parameters, 896 trainable ({100 * 896 / total:.2f}%)"
+    assert line in capsys.readouterr().out
+    straight = _rows(out)
+    checkpoints = sorted((out / "checkpoints").glob("step-*"))
+    assert len(checkpoints) == 2
+    shutil.rmtree(checkpoints[-1])  # as if the run had stopped after step 2
+    assert main([*run, "--max-steps", "4", "--resume", "--out", str(out)]) == 0
     keys = ("step", "loss", "grad_norm", "items", "clip_coef", "lr")  # val_loss: a run's end
     pick = lambda rows: [{k: r.get(k) for k in keys} for r in rows]  # noqa: E731
-    assert pick(_rows(split)) == pick(_rows(straight)) and len(_rows(split)) == 4
-    assert _rows(split)[-1]["val_loss"] == _rows(straight)[-1]["val_loss"]
+    assert pick(_rows(out)) == pick(straight) and len(straight) == 4
+    assert _rows(out)[-1]["val_loss"] == straight[-1]["val_loss"]
     from safetensors import safe_open
 
-    ckpt = next((split / "checkpoints").glob("step-*")) / "model.safetensors"
+    ckpt = next((out / "checkpoints").glob("step-*")) / "model.safetensors"
     with safe_open(str(ckpt), "pt") as f:
         assert all("lora_" in k for k in f.keys())  # noqa: SIM118
 
@@ -76,3 +88,69 @@ def test_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert "neither a config.json" in capsys.readouterr().err
     assert main(["train", *TINY, "--lora", "2", "--out", str(tmp_path / "c")]) == 2
     assert "lora needs model hf:PATH" in capsys.readouterr().err
+
+
+def _notes(tmp_path: Path, capsys: pytest.CaptureFixture[str], model: Path, **cfg: object) -> str:
+    from gradstep_demo.config import TrainConfig
+    from gradstep_demo.hf_model import hf_config
+
+    capsys.readouterr()
+    hf_config(TrainConfig(model=f"hf:{model}", seq_len=32, **cfg))
+    return capsys.readouterr().err
+
+
+def test_a_moe_without_its_router_loss_says_so_once(tmp_path, capsys):
+    """hf-client friction 4: a MoE config ships output_router_logits false; without
+    --aux-loss-coef the run trained with no load balancing and no word about it."""
+    moe = _config(tmp_path, "mixtral")
+    err = _notes(tmp_path, capsys, moe)
+    assert err.count("\n") == 1 and "router load-balancing loss is off" in err
+    assert "--aux-loss-coef" in err and "0.001" in err  # Mixtral's default coefficient
+    assert _notes(tmp_path, capsys, moe, aux_loss_coef=0.02) == ""  # turned on: no note
+    from transformers import AutoConfig
+
+    on = AutoConfig.from_pretrained(str(moe))
+    on.output_router_logits = True  # the config's own loss is on
+    on.save_pretrained(tmp_path / "moe_on")
+    assert _notes(tmp_path, capsys, tmp_path / "moe_on") == ""
+    assert _notes(tmp_path, capsys, _config(tmp_path, "llama")) == ""  # dense: nothing to say
+
+
+def test_weights_in_the_model_folder_are_said_to_be_unused(tmp_path, capsys):
+    """hf-client friction 1: a save_pretrained folder's weights were silently ignored."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    folder = tmp_path / "pretrained"
+    AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=256, **SHAPE)).save_pretrained(folder)
+    err = _notes(tmp_path, capsys, folder, seed=3)
+    assert "model.safetensors is not loaded" in err and "random weights (--seed 3)" in err
+    assert "model.safetensors is not loaded" in _notes(tmp_path, capsys, folder / "config.json")
+
+
+def test_lora_shows_no_transformers_deprecation_warning(tmp_path):
+    """N68/N69: every --lora run printed transformers' FutureWarning about
+    is_gradient_checkpointing (PEFT reads the deprecated property)."""
+    import warnings
+
+    from gradstep_demo.config import TrainConfig
+    from gradstep_demo.hf_model import build_model
+
+    cfg = TrainConfig(model=f"hf:{_config(tmp_path, 'llama')}", seq_len=32, lora=2)
+    before = list(warnings.filters)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = build_model(cfg)
+        warnings.warn("still shown", FutureWarning, stacklevel=1)  # the filter is local
+    assert [str(w.message) for w in caught] == ["still shown"], [str(w.message) for w in caught]
+    assert warnings.filters == before
+    assert any("lora_" in name for name, _ in model.named_parameters())
+
+
+def test_train_help_names_both_models(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "train the demo GPT or a Hugging Face causal LM" in text
+    assert "Hugging Face causal LM built from a local config (--model hf:PATH)" in text

@@ -54,7 +54,7 @@ def test_linear_ramp_is_a_pure_function_of_the_step():
     ramp = BatchRamp.from_spec("1:6", full=4, world=1)
     assert [ramp.micro_batches(s) for s in range(9)] == [1, 1, 2, 2, 3, 3, 4, 4, 4]
     assert BatchRamp.from_spec("4:3", full=4, world=2).micro_batches(0) == 4
-    with pytest.raises(ValueError, match="must be <= accum_steps"):
+    with pytest.raises(ValueError, match="must be <= --accum-steps"):
         BatchRamp.from_spec("5:3", full=4, world=1)
 
 
@@ -82,15 +82,15 @@ def test_gns_ramp_doubles_when_the_noise_scale_exceeds_the_batch_and_never_shrin
 def test_ramp_settings_are_checked():
     assert parse_ramp("2:50") == ("linear", 2, 50)
     for bad in ("2", "0:5", "2:0", "a:b", "gns:2", "-1:3"):
-        with pytest.raises(ConfigError, match="batch_ramp must be START:STEPS"):
+        with pytest.raises(ConfigError, match="--batch-ramp must be START:STEPS"):
             TrainConfig(batch_ramp=bad)
-    with pytest.raises(ConfigError, match="batch_ramp START .5. must be <= accum_steps .4."):
+    with pytest.raises(ConfigError, match="--batch-ramp START .5. must be <= --accum-steps .4."):
         TrainConfig(batch_ramp="5:10", accum_steps=4)
-    with pytest.raises(ConfigError, match="global_batch"):
+    with pytest.raises(ConfigError, match="--global-batch"):
         TrainConfig(batch_ramp="1:10", global_batch=16)
     with pytest.raises(ConfigError, match="lr_scaling must be one of none, linear, sqrt"):
         TrainConfig(lr_scaling="cube")
-    with pytest.raises(ConfigError, match="gns_beta"):
+    with pytest.raises(ConfigError, match="--gns-beta"):
         TrainConfig(gns_beta=1.0)
     assert TrainConfig(batch_ramp="gns").measures_gns
 

@@ -1,0 +1,89 @@
+"""What ``gradstep train`` refuses before it builds or probes anything, in one place.
+
+``gradstep plan`` runs the same checks (``planning=True`` adds what the planner cannot
+plan), so the two commands refuse exactly the same settings with the same message, and a
+refusal costs no probe. Every check is a pure function of the config and the launch, so
+every rank of a torchrun job reaches the same verdict without a collective.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gradstep import parallel
+
+from .config import ConfigError, TrainConfig
+
+__all__ = ["check_global_batch", "check_run"]
+
+
+def check_run(cfg: TrainConfig, env: parallel.DistEnv, *, planning: bool = False) -> None:
+    """Raise :class:`ConfigError` for a run ``cfg`` cannot be on this launch ``env``.
+
+    ``planning``: the caller plans ``cfg`` (``gradstep plan``) rather than training it;
+    also refuse what the planner cannot plan.
+    """
+    _check_launch(cfg, env)
+    _check_device(cfg, env.device)
+    if cfg.eval_batches < env.world_size:
+        raise ConfigError(
+            f"--eval-batches must be >= the number of ranks ({env.world_size}): every rank "
+            f"evaluates at least one batch, got {cfg.eval_batches}"
+        )
+    if cfg.global_batch is not None:
+        check_global_batch(cfg.global_batch, env.world_size)
+    if planning:
+        _check_plannable(cfg)
+
+
+def check_global_batch(global_batch: int, world_size: int) -> None:
+    """A global batch every rank takes an equal, non-empty share of (train splits it so)."""
+    if global_batch % world_size:  # also covers global_batch < world_size (it is >= 1)
+        below = global_batch - global_batch % world_size
+        nearest = f"{below} or {below + world_size}" if below else str(world_size)
+        raise ConfigError(
+            f"--global-batch ({global_batch}) must be a multiple of the number of ranks "
+            f"({world_size}): every rank takes the same number of sequences per step; "
+            f"use e.g. {nearest}"
+        )
+
+
+def _check_launch(cfg: TrainConfig, env: parallel.DistEnv) -> None:
+    """--strategy and the launcher must agree: N processes without a strategy would train N
+    unrelated models, and a strategy without torchrun has no other rank to sync with."""
+    if cfg.strategy == "none" and env.world_size > 1:
+        raise ConfigError(
+            f"launched as {env.world_size} processes but strategy='none'; "
+            "use --strategy ddp or --strategy fsdp"
+        )
+    if cfg.strategy != "none" and env.backend is None:
+        raise ConfigError(
+            f"strategy={cfg.strategy!r} needs a torchrun launch, e.g. torchrun "
+            f"--nproc_per_node=2 -m gradstep train --strategy {cfg.strategy}"
+        )
+
+
+def _check_device(cfg: TrainConfig, device: torch.device) -> None:
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={cfg.device!r}: this torch build or machine has no CUDA")
+    if device.type == "cuda" and device.index >= torch.cuda.device_count():
+        raise ConfigError(
+            f"device={cfg.device!r}: only {torch.cuda.device_count()} CUDA device(s) here"
+        )
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"device={cfg.device!r}: MPS is not available on this machine")
+
+
+def _check_plannable(cfg: TrainConfig) -> None:
+    """The planner probes and models the demo GPT: an HF model would be planned as the GPT
+    its shape flags describe, a silently wrong prediction."""
+    if cfg.is_hf:
+        raise ConfigError(
+            f"model {cfg.model!r}: gradstep plan plans the demo GPT only; it cannot be used "
+            "with hf:PATH (choose --micro-batch-size and --accum-steps for it by hand)"
+        )
+    if cfg.global_batch is None:
+        raise ConfigError(
+            "gradstep plan needs --global-batch (sequences per optimizer step): the planner "
+            "chooses how to split it"
+        )
