@@ -98,7 +98,9 @@ class Stepper:
         model: the module (plain, DDP, or FSDP2 ``fully_shard``-ed; detected automatically).
         optimizer: any ``torch.optim.Optimizer``.
         scheduler: any LR scheduler; stepped once per optimizer step, never on a skip.
-        clip: a clip policy, a list of them (applied in order), or None.
+        clip: a clip policy, a list of them (applied in order), or None (no clipping).
+            Default: ``ClipNorm(1.0)``, as ``transformers.Trainer``'s ``max_grad_norm=1.0``;
+            pass ``clip=None`` for a plain PyTorch step.
         precision: ``"fp32"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast + GradScaler).
         accum_dtype: dtype gradients accumulate in; None means float32 for parameters held
             in bf16/fp16, and the parameter dtype otherwise.

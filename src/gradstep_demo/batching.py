@@ -20,6 +20,7 @@ from gradstep import windows
 
 from .config import ConfigError, TrainConfig
 from .data import IGNORE_INDEX, PAD_ID, Batch
+from .preflight import check_global_batch
 
 __all__ = ["Layout", "layout_for", "merge_rows", "windows_of"]
 
@@ -52,11 +53,7 @@ def layout_for(cfg: TrainConfig, world: int, micro_batch_size: int | None = None
         raise ConfigError("micro_batch_size 'auto' must be planned before the run is built")
     if cfg.global_batch is None:
         return Layout(mbs, cfg.accum_steps, None)
-    if cfg.global_batch % world:
-        raise ConfigError(
-            f"global_batch ({cfg.global_batch}) must be a multiple of the number of ranks "
-            f"({world}): every rank takes the same number of sequences per step"
-        )
+    check_global_batch(cfg.global_batch, world)
     rows = cfg.global_batch // world
     mbs = min(mbs, rows)
     return Layout(mbs, math.ceil(rows / mbs), rows)

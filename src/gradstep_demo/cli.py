@@ -16,6 +16,7 @@ import dataclasses
 import errno
 import json
 import os
+import re
 import sys
 import typing
 from collections.abc import Callable, Sequence
@@ -187,6 +188,12 @@ class _Parser(argparse.ArgumentParser):
 
     last_error: str | None = None
 
+    def __init__(self, *args: typing.Any, **kwargs: typing.Any) -> None:
+        super().__init__(*args, **kwargs)
+        # `--lr -1e-3` is a value, not an option: Python < 3.13 knows only -1 and -.5 as
+        # negative numbers and said "expected one argument" instead of naming the range.
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
+
     def error(self, message: str) -> typing.NoReturn:
         _Parser.last_error = message
         super().error(message)
@@ -254,7 +261,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return handler(args)
     except (GradstepError, NotImplementedError, ValueError) as exc:
         _fail(args.command, str(exc), as_json)
-        return 2
+        # A write that failed (a checkpoint's file on a full disk) is the environment's
+        # failure, as an OSError is: 1. Refused settings and input: 2.
+        return 1 if getattr(exc, "filename", None) else 2
     except OSError as exc:  # a full disk, a folder made read-only mid-run: no traceback
         _fail(args.command, _os_error(exc, args.command), as_json)
         return 1

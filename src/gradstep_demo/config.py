@@ -19,12 +19,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gradstep._validate import check_choice
-from gradstep.errors import GradstepError
 from gradstep.lr import LR_SCALING
 from gradstep.parallel import STRATEGIES, TIMEOUT_RANGE_S
-from gradstep.policies import parse_clip, spec_help
-from gradstep.precision import PRECISIONS as _PRECISION_DTYPES
+from gradstep.policies import spec_help
+
+from .config_checks import (
+    AUTO,
+    GPT_SHAPE,
+    LR_MAX,
+    OPTIMIZERS,
+    PRECISIONS,
+    WARMUP_MAX,
+    ConfigError,
+    flag,
+    validate,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -41,40 +50,14 @@ __all__ = [
     "resolve",
 ]
 
-PRECISIONS = tuple(_PRECISION_DTYPES)
-DEVICES = ("auto", "cpu", "cuda", "mps")
-OPTIMIZERS = ("adamw", "sgd", "lars", "lamb")
 LR_SCALINGS = LR_SCALING
 RESUME_AUTO = "auto"  # bare `--resume`: the run folder's checkpoints/
-AUTO = "auto"  # --micro-batch-size auto
-GPT_SHAPE = {"n_layer": 4, "n_head": 4, "d_model": 160}
-"""The demo GPT's shape when --n-layer/--n-head/--d-model are not given (not with hf:)."""
-LR_MAX = 1e6
-"""Largest --lr accepted: far above any useful rate (the reviewers' diverging LARS 1e6 and
-SGD 1e3 runs still run and report their divergence), and far enough below float32's 3.4e38
-that the optimizers' scalar arithmetic (AdamW's lr / bias correction, up to 10x) stays finite."""
 TIMEOUT_RANGE = TIMEOUT_RANGE_S
 """--collective-timeout bounds, in seconds (gradstep.parallel.TIMEOUT_RANGE_S)."""
-WARMUP_MAX = 20
-"""Auto warm-up: 20 steps, or a fifth of --max-steps for runs shorter than 100 steps."""
-
-
-_AT_LEAST_ONE = (
-    "seq_len", "accum_steps", "max_steps", "eval_batches", "log_every", "keep_checkpoints"
-)  # fmt: skip
-
-
-class ConfigError(GradstepError, ValueError):
-    """A configuration value or key is invalid; the message names the parameter."""
 
 
 def _f(default: Any, help: str, **extra: Any) -> Any:
     return field(default=default, metadata={"help": help, **extra})
-
-
-def flag(name: str) -> str:
-    """The command-line flag of field ``name`` (``micro_batch_size`` -> ``--micro-batch-size``)."""
-    return "--" + name.replace("_", "-")
 
 
 def micro_batch_size_arg(value: str) -> int | str:
@@ -219,7 +202,7 @@ class TrainConfig:
             value = _coerce(f.name, getattr(self, f.name), hints[f.name])
             object.__setattr__(self, f.name, value)  # frozen: only normalises int -> float
         self._normalise()
-        self._validate()
+        validate(self)
 
     def _set(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)  # frozen: normalising in __post_init__ only
@@ -252,156 +235,9 @@ class TrainConfig:
         """The fields given as None (automatic) and resolved from the others."""
         return getattr(self, "_auto", frozenset())
 
-    def _validate(self) -> None:
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ConfigError(f"{f.name} must be a finite number, got {value}")
-        shape = () if self.is_hf else tuple(GPT_SHAPE)  # hf: None, refused if given
-        for name in (*shape, *_AT_LEAST_ONE):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup", "eval_every", "sample_tokens", "save_every", "threads"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if shape and (self.d_model % self.n_head or (self.d_model // self.n_head) % 2):
-            raise ConfigError(
-                f"d_model must be divisible by n_head with an even head size (for RoPE), got "
-                f"d_model={self.d_model}, n_head={self.n_head}"
-            )
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
-        self._validate_schedule()
-        if not 0 <= self.seed < 2**32:
-            raise ConfigError(f"seed must be in [0, 2**32), got {self.seed}")
-        self._validate_batch()
-        self._validate_model()
-        self._validate_run()
-        check_choice("precision", self.precision, PRECISIONS, error=ConfigError)
-        check_choice("strategy", self.strategy, STRATEGIES, error=ConfigError)
-        check_choice("optimizer", self.optimizer, OPTIMIZERS, error=ConfigError)
-        check_choice("lr_scaling", self.lr_scaling, LR_SCALINGS, error=ConfigError)
-        if not 0.0 <= self.gns_beta < 1.0:
-            raise ConfigError(f"--gns-beta must be in [0, 1), got {self.gns_beta}")
-        kind, colon, index = self.device.partition(":")
-        if kind not in DEVICES or (colon and not (index.isdigit() and kind in ("cuda", "cpu"))):
-            raise ConfigError(
-                f"device must be one of {', '.join(DEVICES)} or cuda:N, got {self.device!r}"
-            )
-        try:
-            parse_clip(self.clip)
-        except ValueError as exc:
-            raise ConfigError(f"clip: {exc}") from exc
-
-    def _validate_schedule(self) -> None:
-        if not 0 < self.lr <= LR_MAX:
-            raise ConfigError(
-                f"--lr must be in (0, {LR_MAX:g}], got {self.lr:g}: a larger rate is far beyond "
-                "any optimizer's useful range and overflows its float32 arithmetic"
-            )
-        if not 0.0 <= self.min_lr <= self.lr:
-            raise ConfigError(
-                f"--min-lr must be in [0, --lr {self.lr:g}], got {self.min_lr:g} (leave it out "
-                "for lr / 10)"
-            )
-        if self.weight_decay < 0:
-            raise ConfigError(f"weight_decay must be >= 0, got {self.weight_decay}")
-        if self.warmup > self.max_steps:
-            raise ConfigError(
-                f"warmup must be <= max_steps ({self.max_steps}), got {self.warmup}: the "
-                "learning rate would never reach lr; pass a smaller --warmup, or leave it out "
-                f"(automatic: min({WARMUP_MAX}, max_steps // 5))"
-            )
-
-    def _validate_run(self) -> None:
-        """Where the run goes, how it resumes, how long a collective may wait."""
-        if not self.out.strip():
-            raise ConfigError("out must name a run folder, got an empty path")
-        low, high = TIMEOUT_RANGE
-        if not low <= self.collective_timeout <= high:
-            raise ConfigError(
-                f"--collective-timeout must be in [{low:g}, {high:g}] seconds (1 s to 7 days), "
-                f"got {self.collective_timeout:g}"
-            )
-        if self.resume is not None and self.resume_or_start:
-            raise ConfigError("--resume and --resume-or-start exclude each other; pass one of them")
-        if self.overwrite and (self.resume is not None or self.resume_or_start):
-            which = "--resume-or-start" if self.resume_or_start else "--resume"
-            raise ConfigError(
-                f"--overwrite starts a new run: it cannot be combined with {which}; pass one"
-            )
-
-    def _validate_batch(self) -> None:
-        mbs = self.micro_batch_size
-        if mbs != AUTO and (isinstance(mbs, str) or mbs < 1):
-            raise ConfigError(
-                f"--micro-batch-size must be a whole number >= 1 or auto, got {mbs!r}"
-            )
-        if mbs == AUTO and self.global_batch is None:
-            raise ConfigError(
-                "--micro-batch-size auto needs --global-batch (sequences per optimizer step): "
-                "the planner chooses how to split it"
-            )
-        if self.global_batch is not None and self.global_batch < 1:
-            raise ConfigError(f"--global-batch must be >= 1, got {self.global_batch}")
-        if self.batch_ramp is not None:
-            self._validate_ramp()
-        if self.memory_budget is not None:
-            from gradstep.memory import parse_size
-
-            try:
-                parse_size(self.memory_budget)
-            except ValueError as exc:
-                raise ConfigError(f"memory_budget: {exc}") from None
-
-    def _validate_model(self) -> None:
-        if self.model != "gpt" and not (self.model.startswith("hf:") and self.model[3:].strip()):
-            raise ConfigError(f"model must be gpt or hf:PATH, got {self.model!r}")
-        if self.lora < 0:
-            raise ConfigError(f"lora must be >= 0 (0: no adapters), got {self.lora}")
-        if self.aux_loss_coef is not None and not self.aux_loss_coef >= 0:
-            raise ConfigError(f"aux_loss_coef must be >= 0, got {self.aux_loss_coef}")
-        if not self.is_hf:
-            for name in ("lora", "aux_loss_coef"):
-                if getattr(self, name):
-                    raise ConfigError(f"{name} needs model hf:PATH, got model {self.model!r}")
-            return
-        shaped = [flag(name) for name in GPT_SHAPE if getattr(self, name) is not None]
-        if shaped:
-            raise ConfigError(
-                f"{', '.join(shaped)} shape the demo GPT only; with --model {self.model} the "
-                "model's config.json sets its shape: drop these flags"
-            )
-        if self.auto_micro_batch or self.activation_checkpointing:
-            what = (
-                "--micro-batch-size auto plans"
-                if self.auto_micro_batch
-                else "--activation-checkpointing wraps the blocks of"
-            )
-            raise ConfigError(f"{what} the demo GPT only; it cannot be used with hf:PATH")
-
     @property
     def is_hf(self) -> bool:
         return self.model.startswith("hf:")
-
-    def _validate_ramp(self) -> None:
-        from .schedule import parse_ramp
-
-        try:
-            kind, start, _ = parse_ramp(self.batch_ramp)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        if self.global_batch is not None:
-            raise ConfigError(
-                "--batch-ramp grows --accum-steps; it cannot be combined with --global-batch"
-            )
-        if start > self.accum_steps:
-            raise ConfigError(
-                f"--batch-ramp START ({start}) must be <= --accum-steps ({self.accum_steps}): "
-                "the ramp grows to --accum-steps"
-            )
-        if kind == "gns" and self.accum_steps < 2:
-            raise ConfigError("--batch-ramp gns needs --accum-steps >= 2: there is nothing to grow")
 
     @property
     def measures_gns(self) -> bool:
@@ -434,7 +270,7 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
         value = object()  # True is an int to Python, not to a config file
     if not any(isinstance(value, k) for k in kinds):
         shown = " or ".join(k.__name__ for k in kinds)
-        raise ConfigError(f"{name} must be of type {shown}, got {value!r}")
+        raise ConfigError(f"{flag(name)} must be of type {shown}, got {value!r}")
     return value
 
 

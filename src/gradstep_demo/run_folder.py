@@ -33,7 +33,8 @@ from gradstep.checkpoint.codec import decode
 from gradstep.checkpoint.layout import written_by_gradstep
 from gradstep.metrics import FINISHED_FILE
 
-from .config import GPT_SHAPE, RESUME_AUTO, ConfigError, TrainConfig, flag
+from .config import RESUME_AUTO, TrainConfig
+from .config_checks import GPT_SHAPE, ConfigError, flag
 
 try:
     import fcntl

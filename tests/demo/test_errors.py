@@ -42,17 +42,19 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
 @pytest.mark.parametrize(
     ("case", "flags", "needle"),
     [
-        ("8 lr inf", ["--lr", "inf"], "lr must be a finite number"),
+        ("8 lr inf", ["--lr", "inf"], "--lr must be a finite number"),
         ("7 lr nan", ["--lr", "nan"], "lr must be"),
-        ("9 weight decay inf", ["--weight-decay", "inf"], "weight_decay must be a finite"),
-        ("9 weight decay nan", ["--weight-decay", "nan"], "weight_decay must be a finite"),
-        ("11 warmup above max steps", ["--warmup", "100"], "warmup must be <= max_steps"),
+        ("9 weight decay inf", ["--weight-decay", "inf"], "--weight-decay must be a finite"),
+        ("9 weight decay nan", ["--weight-decay", "nan"], "--weight-decay must be a finite"),
+        ("11 warmup above max steps", ["--warmup", "100"], "--warmup must be <= --max-steps"),
         ("22 cuda absent", ["--device", "cuda"], "no CUDA"),
-        ("24 malformed device", ["--device", "cuda:abc"], "device must be one of"),
-        ("24 empty device index", ["--device", "cuda:"], "device must be one of"),
-        ("28 negative seed", ["--seed=-1"], "seed must be in [0, 2**32)"),
-        ("29 huge seed", ["--seed", "99999999999999999999999"], "seed must be in [0, 2**32)"),
-        ("35 empty out", ["--out", ""], "out must name a run folder"),
+        ("24 malformed device", ["--device", "cuda:abc"], "--device must be one of"),
+        ("24 empty device index", ["--device", "cuda:"], "--device must be one of"),
+        ("28 negative seed", ["--seed=-1"], "--seed must be in [0, 2**32)"),
+        ("29 huge seed", ["--seed", "99999999999999999999999"], "--seed must be in [0, 2**32)"),
+        ("35 empty out", ["--out", ""], "--out must name a run folder"),
+        ("O55 negative lr, no =", ["--lr", "-1e-3"], "--lr must be in (0, 1e+06], got -0.001"),
+        ("O55 negative seed, no =", ["--seed", "-1"], "--seed must be in [0, 2**32)"),
     ],
 )
 def test_bad_flags_are_one_clear_error(corpus, tmp_path, capsys, case, flags, needle):
@@ -264,3 +266,32 @@ def test_a_real_file_size_limit_during_the_metrics_write_names_the_file(corpus, 
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert len(errors) == 1 and str(out / "metrics.jsonl") in errors[0], proc.stderr
     assert "ulimit -f" in errors[0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_a_real_file_size_limit_during_a_checkpoint_names_the_file(corpus, tmp_path):
+    """N117: the same limit hit by a checkpoint's tensor file: one line naming that file and
+    what to do, exit status 1 like any failure of the machine, no checkpoint published."""
+    import os
+    import resource
+    import subprocess
+    import sys
+
+    limit = 8192  # config.json and the metrics fit; the model's tensors (> 16 KiB) do not
+
+    def limited() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "gradstep", "train", *SMALL, "--save-every", "1",
+           "--data", str(corpus), "--out", str(out)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=140, env=env, preexec_fn=limited
+    )
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert len(errors) == 1 and "checkpoint of step 1 not saved" in errors[0], proc.stderr
+    assert ".safetensors" in errors[0] and "ulimit -f" in errors[0], errors[0]
+    assert not list((out / "checkpoints").glob("step-*")), "a partial checkpoint was published"

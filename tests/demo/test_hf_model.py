@@ -87,7 +87,7 @@ def test_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert main(["train", *TINY, "--model", missing, "--out", str(tmp_path / "b")]) == 2
     assert "neither a config.json" in capsys.readouterr().err
     assert main(["train", *TINY, "--lora", "2", "--out", str(tmp_path / "c")]) == 2
-    assert "lora needs model hf:PATH" in capsys.readouterr().err
+    assert "--lora needs --model hf:PATH" in capsys.readouterr().err
 
 
 def _notes(tmp_path: Path, capsys: pytest.CaptureFixture[str], model: Path, **cfg: object) -> str:

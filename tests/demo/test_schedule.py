@@ -88,7 +88,7 @@ def test_ramp_settings_are_checked():
         TrainConfig(batch_ramp="5:10", accum_steps=4)
     with pytest.raises(ConfigError, match="--global-batch"):
         TrainConfig(batch_ramp="1:10", global_batch=16)
-    with pytest.raises(ConfigError, match="lr_scaling must be one of none, linear, sqrt"):
+    with pytest.raises(ConfigError, match="--lr-scaling must be one of none, linear, sqrt"):
         TrainConfig(lr_scaling="cube")
     with pytest.raises(ConfigError, match="--gns-beta"):
         TrainConfig(gns_beta=1.0)

@@ -60,7 +60,7 @@ def test_the_defaults_of_the_demo_run_are_unchanged() -> None:
     cfg = TrainConfig()
     assert (cfg.warmup, cfg.min_lr, cfg.min_lr / cfg.lr) == (20, 3e-4, 3e-4 / 3e-3)
     assert (cfg.n_layer, cfg.n_head, cfg.d_model) == (4, 4, 160)
-    with pytest.raises(ConfigError, match=r"warmup must be <= max_steps \(3\), got 20"):
+    with pytest.raises(ConfigError, match=r"--warmup must be <= --max-steps \(3\), got 20"):
         TrainConfig(max_steps=3, warmup=20)  # an explicit warm-up stays checked
 
 

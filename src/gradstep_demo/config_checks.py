@@ -1,0 +1,221 @@
+"""The checks every :class:`~gradstep_demo.config.TrainConfig` passes when it is built.
+
+Each failure is one :class:`ConfigError` naming the command-line flag (``--warmup``, not the
+field ``warmup``: the CLI and its TOML file are how users meet these settings) and what it
+accepts, so a bad value fails before any data is loaded or any rank waits for another.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING
+
+from gradstep._validate import check_choice
+from gradstep.errors import GradstepError
+from gradstep.lr import LR_SCALING
+from gradstep.parallel import STRATEGIES, TIMEOUT_RANGE_S
+from gradstep.policies import parse_clip
+from gradstep.precision import PRECISIONS as _PRECISION_DTYPES
+
+if TYPE_CHECKING:
+    from .config import TrainConfig
+
+__all__ = [
+    "AUTO",
+    "DEVICES",
+    "GPT_SHAPE",
+    "LR_MAX",
+    "OPTIMIZERS",
+    "PRECISIONS",
+    "WARMUP_MAX",
+    "ConfigError",
+    "flag",
+    "validate",
+]
+
+PRECISIONS = tuple(_PRECISION_DTYPES)
+DEVICES = ("auto", "cpu", "cuda", "mps")
+OPTIMIZERS = ("adamw", "sgd", "lars", "lamb")
+AUTO = "auto"  # --micro-batch-size auto
+GPT_SHAPE = {"n_layer": 4, "n_head": 4, "d_model": 160}
+"""The demo GPT's shape when --n-layer/--n-head/--d-model are not given (not with hf:)."""
+LR_MAX = 1e6
+"""Largest --lr accepted: far above any useful rate (the reviewers' diverging LARS 1e6 and
+SGD 1e3 runs still run and report their divergence), and far enough below float32's 3.4e38
+that the optimizers' scalar arithmetic (AdamW's lr / bias correction, up to 10x) stays finite."""
+WARMUP_MAX = 20
+"""Auto warm-up: 20 steps, or a fifth of --max-steps for runs shorter than 100 steps."""
+
+_AT_LEAST_ONE = (
+    "seq_len", "accum_steps", "max_steps", "eval_batches", "log_every", "keep_checkpoints"
+)  # fmt: skip
+_AT_LEAST_ZERO = ("warmup", "eval_every", "sample_tokens", "save_every", "threads")
+_CHOICES = {
+    "precision": PRECISIONS,
+    "strategy": STRATEGIES,
+    "optimizer": OPTIMIZERS,
+    "lr_scaling": LR_SCALING,
+}
+
+
+class ConfigError(GradstepError, ValueError):
+    """A configuration value or key is invalid; the message names the flag."""
+
+
+def flag(name: str) -> str:
+    """The command-line flag of field ``name`` (``micro_batch_size`` -> ``--micro-batch-size``)."""
+    return "--" + name.replace("_", "-")
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Raise ConfigError for the first setting of ``cfg`` out of its range."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{flag(f.name)} must be a finite number, got {value}")
+    shape = () if cfg.is_hf else tuple(GPT_SHAPE)  # hf: None, refused if given
+    for name in (*shape, *_AT_LEAST_ONE):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"{flag(name)} must be >= 1, got {getattr(cfg, name)}")
+    for name in _AT_LEAST_ZERO:
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"{flag(name)} must be >= 0, got {getattr(cfg, name)}")
+    if shape and (cfg.d_model % cfg.n_head or (cfg.d_model // cfg.n_head) % 2):
+        raise ConfigError(
+            "--d-model must be divisible by --n-head with an even head size (for RoPE), got "
+            f"--d-model {cfg.d_model}, --n-head {cfg.n_head}"
+        )
+    if not 0.0 <= cfg.dropout < 1.0:
+        raise ConfigError(f"--dropout must be in [0, 1), got {cfg.dropout}")
+    _schedule(cfg)
+    if not 0 <= cfg.seed < 2**32:
+        raise ConfigError(f"--seed must be in [0, 2**32), got {cfg.seed}")
+    _batch(cfg)
+    _model(cfg)
+    _run(cfg)
+    for name, allowed in _CHOICES.items():
+        check_choice(flag(name), getattr(cfg, name), allowed, error=ConfigError)
+    if not 0.0 <= cfg.gns_beta < 1.0:
+        raise ConfigError(f"--gns-beta must be in [0, 1), got {cfg.gns_beta}")
+    kind, colon, index = cfg.device.partition(":")
+    if kind not in DEVICES or (colon and not (index.isdigit() and kind in ("cuda", "cpu"))):
+        raise ConfigError(
+            f"--device must be one of {', '.join(DEVICES)} or cuda:N, got {cfg.device!r}"
+        )
+    try:
+        parse_clip(cfg.clip)
+    except ValueError as exc:
+        raise ConfigError(f"--clip: {exc}") from exc
+
+
+def _schedule(cfg: TrainConfig) -> None:
+    if not 0 < cfg.lr <= LR_MAX:
+        why = (
+            "a larger rate is far beyond any optimizer's useful range and overflows its "
+            "float32 arithmetic"
+            if cfg.lr > 0
+            else "a learning rate is positive"
+        )
+        raise ConfigError(f"--lr must be in (0, {LR_MAX:g}], got {cfg.lr:g}: {why}")
+    if not 0.0 <= cfg.min_lr <= cfg.lr:
+        raise ConfigError(
+            f"--min-lr must be in [0, --lr {cfg.lr:g}], got {cfg.min_lr:g} (leave it out "
+            "for lr / 10)"
+        )
+    if cfg.weight_decay < 0:
+        raise ConfigError(f"--weight-decay must be >= 0, got {cfg.weight_decay}")
+    if cfg.warmup > cfg.max_steps:
+        raise ConfigError(
+            f"--warmup must be <= --max-steps ({cfg.max_steps}), got {cfg.warmup}: the "
+            "learning rate would never reach lr; pass a smaller --warmup, or leave it out "
+            f"(automatic: min({WARMUP_MAX}, max_steps // 5))"
+        )
+
+
+def _run(cfg: TrainConfig) -> None:
+    """Where the run goes, how it resumes, how long a collective may wait."""
+    if not cfg.out.strip():
+        raise ConfigError("--out must name a run folder, got an empty path")
+    low, high = TIMEOUT_RANGE_S
+    if not low <= cfg.collective_timeout <= high:
+        raise ConfigError(
+            f"--collective-timeout must be in [{low:g}, {high:g}] seconds (1 s to 7 days), "
+            f"got {cfg.collective_timeout:g}"
+        )
+    if cfg.resume is not None and cfg.resume_or_start:
+        raise ConfigError("--resume and --resume-or-start exclude each other; pass one of them")
+    if cfg.overwrite and (cfg.resume is not None or cfg.resume_or_start):
+        which = "--resume-or-start" if cfg.resume_or_start else "--resume"
+        raise ConfigError(
+            f"--overwrite starts a new run: it cannot be combined with {which}; pass one"
+        )
+
+
+def _batch(cfg: TrainConfig) -> None:
+    mbs = cfg.micro_batch_size
+    if mbs != AUTO and (isinstance(mbs, str) or mbs < 1):
+        raise ConfigError(f"--micro-batch-size must be a whole number >= 1 or auto, got {mbs!r}")
+    if mbs == AUTO and cfg.global_batch is None:
+        raise ConfigError(
+            "--micro-batch-size auto needs --global-batch (sequences per optimizer step): "
+            "the planner chooses how to split it"
+        )
+    if cfg.global_batch is not None and cfg.global_batch < 1:
+        raise ConfigError(f"--global-batch must be >= 1, got {cfg.global_batch}")
+    if cfg.batch_ramp is not None:
+        _ramp(cfg)
+    if cfg.memory_budget is not None:
+        from gradstep.memory import parse_size
+
+        try:
+            parse_size(cfg.memory_budget)
+        except ValueError as exc:
+            raise ConfigError(f"--memory-budget: {exc}") from None
+
+
+def _model(cfg: TrainConfig) -> None:
+    if cfg.model != "gpt" and not (cfg.model.startswith("hf:") and cfg.model[3:].strip()):
+        raise ConfigError(f"--model must be gpt or hf:PATH, got {cfg.model!r}")
+    if cfg.lora < 0:
+        raise ConfigError(f"--lora must be >= 0 (0: no adapters), got {cfg.lora}")
+    if cfg.aux_loss_coef is not None and not cfg.aux_loss_coef >= 0:
+        raise ConfigError(f"--aux-loss-coef must be >= 0, got {cfg.aux_loss_coef}")
+    if not cfg.is_hf:
+        for name in ("lora", "aux_loss_coef"):
+            if getattr(cfg, name):
+                raise ConfigError(f"{flag(name)} needs --model hf:PATH, got --model {cfg.model}")
+        return
+    shaped = [flag(name) for name in GPT_SHAPE if getattr(cfg, name) is not None]
+    if shaped:
+        raise ConfigError(
+            f"{', '.join(shaped)} shape the demo GPT only; with --model {cfg.model} the "
+            "model's config.json sets its shape: drop these flags"
+        )
+    if cfg.auto_micro_batch or cfg.activation_checkpointing:
+        what = (
+            "--micro-batch-size auto plans"
+            if cfg.auto_micro_batch
+            else "--activation-checkpointing wraps the blocks of"
+        )
+        raise ConfigError(f"{what} the demo GPT only; it cannot be used with hf:PATH")
+
+
+def _ramp(cfg: TrainConfig) -> None:
+    from .schedule import parse_ramp
+
+    try:
+        kind, start, _ = parse_ramp(cfg.batch_ramp)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if cfg.global_batch is not None:
+        raise ConfigError(
+            "--batch-ramp grows --accum-steps; it cannot be combined with --global-batch"
+        )
+    if start > cfg.accum_steps:
+        raise ConfigError(
+            f"--batch-ramp START ({start}) must be <= --accum-steps ({cfg.accum_steps}): "
+            "the ramp grows to --accum-steps"
+        )
+    if kind == "gns" and cfg.accum_steps < 2:
+        raise ConfigError("--batch-ramp gns needs --accum-steps >= 2: there is nothing to grow")
