@@ -239,32 +239,39 @@ def test_an_os_error_is_one_line_naming_the_file(capsys, monkeypatch, error, nee
         assert needle in lines[0], lines[0]
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(150)
-def test_a_real_file_size_limit_during_the_metrics_write_names_the_file(corpus, tmp_path):
-    """N119 for real: RLIMIT_FSIZE (EFBIG, as `ulimit -f`) hit by metrics.jsonl."""
+def _train_under_file_size_limit(limit: int, *argv: str) -> tuple[int, str, list[str]]:
+    """``gradstep train argv`` in a child whose files may not grow past ``limit`` bytes
+    (RLIMIT_FSIZE: EFBIG, as under ``ulimit -f``): (exit status, stderr, its error lines)."""
     import os
     import resource
     import subprocess
     import sys
 
-    limit = 4096  # config.json fits; metrics.jsonl reaches it within a few steps
-
     def limited() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-    out = tmp_path / "run"
-    flags = [a if a != "2" or i != SMALL.index("--max-steps") + 1 else "40"
-             for i, a in enumerate(SMALL)]  # fmt: skip
-    cmd = [sys.executable, "-m", "gradstep", "train", *flags, "--accum-steps", "1",
-           "--data", str(corpus), "--out", str(out)]  # fmt: skip
+    cmd = [sys.executable, "-m", "gradstep", "train", *argv]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         cmd, capture_output=True, text=True, timeout=140, env=env, preexec_fn=limited
     )
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
-    assert len(errors) == 1 and str(out / "metrics.jsonl") in errors[0], proc.stderr
+    return proc.returncode, proc.stderr, errors
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_a_real_file_size_limit_during_the_metrics_write_names_the_file(corpus, tmp_path):
+    """N119 for real: RLIMIT_FSIZE (EFBIG, as `ulimit -f`) hit by metrics.jsonl."""
+    out = tmp_path / "run"
+    flags = [a if a != "2" or i != SMALL.index("--max-steps") + 1 else "40"
+             for i, a in enumerate(SMALL)]  # fmt: skip
+    # 4096 bytes: config.json fits; metrics.jsonl reaches it within a few steps.
+    code, stderr, errors = _train_under_file_size_limit(
+        4096, *flags, "--accum-steps", "1", "--data", str(corpus), "--out", str(out)
+    )
+    assert code == 1 and "Traceback" not in stderr, stderr
+    assert len(errors) == 1 and str(out / "metrics.jsonl") in errors[0], stderr
     assert "ulimit -f" in errors[0]
 
 
@@ -273,25 +280,12 @@ def test_a_real_file_size_limit_during_the_metrics_write_names_the_file(corpus, 
 def test_a_real_file_size_limit_during_a_checkpoint_names_the_file(corpus, tmp_path):
     """N117: the same limit hit by a checkpoint's tensor file: one line naming that file and
     what to do, exit status 1 like any failure of the machine, no checkpoint published."""
-    import os
-    import resource
-    import subprocess
-    import sys
-
-    limit = 8192  # config.json and the metrics fit; the model's tensors (> 16 KiB) do not
-
-    def limited() -> None:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "gradstep", "train", *SMALL, "--save-every", "1",
-           "--data", str(corpus), "--out", str(out)]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=140, env=env, preexec_fn=limited
+    # 8192 bytes: config.json and the metrics fit; the model's tensors (> 16 KiB) do not.
+    code, stderr, errors = _train_under_file_size_limit(
+        8192, *SMALL, "--save-every", "1", "--data", str(corpus), "--out", str(out)
     )
-    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
-    assert len(errors) == 1 and "checkpoint of step 1 not saved" in errors[0], proc.stderr
+    assert code == 1 and "Traceback" not in stderr, stderr
+    assert len(errors) == 1 and "checkpoint of step 1 not saved" in errors[0], stderr
     assert ".safetensors" in errors[0] and "ulimit -f" in errors[0], errors[0]
     assert not list((out / "checkpoints").glob("step-*")), "a partial checkpoint was published"
