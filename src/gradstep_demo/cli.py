@@ -199,6 +199,31 @@ class _Parser(argparse.ArgumentParser):
         super().error(message)
 
 
+def _add_export_parser(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "export",
+        help="write a trained hf: run as a folder Hugging Face loads (from_pretrained)",
+        description="Export a run's checkpoint: the full model and its tokenizer for full "
+        "fine-tuning; for LoRA the PEFT adapter folder, or with --merge-lora the merged model.",
+    )
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="run folder (or its checkpoints/)")
+    parser.add_argument("--out", metavar="DIR", required=True, help="folder to write")
+    parser.add_argument(
+        "--step", type=int, metavar="N", help="checkpoint step (default: the newest valid one)"
+    )
+    parser.add_argument(
+        "--merge-lora", action="store_true", help="merge LoRA adapters into the base weights"
+    )
+    parser.set_defaults(handler=_run_export)
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    from .export import export_run  # deferred: transformers is imported only when exporting
+
+    print(export_run(args.run_dir, args.out, step=args.step, merge_lora=args.merge_lora))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="gradstep", description="Exact gradient accumulation and clipping, with a demo."
@@ -207,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_parser(sub)
     _add_plan_parser(sub)
     _add_report_parser(sub)
+    _add_export_parser(sub)
     return parser
 
 

@@ -26,6 +26,7 @@ from gradstep.policies import spec_help
 from .config_checks import (
     AUTO,
     GPT_SHAPE,
+    INITS,
     LR_MAX,
     OPTIMIZERS,
     PRECISIONS,
@@ -84,7 +85,27 @@ class TrainConfig:
         "a Hugging Face causal LM built with random init from a local config.json or "
         "save_pretrained folder (never downloaded; vocab_size >= 256)",
     )
+    init: str = _f(
+        "pretrained",
+        "with hf:DIR: pretrained loads DIR's weights when it holds any (else random, with a "
+        "note); random always starts from random weights (--seed)",
+        choices=INITS,
+    )
+    tokenizer: str | None = _f(
+        None,
+        "with hf:DIR: tokenizer folder or file (default: DIR's own); the demo GPT reads bytes",
+    )
     lora: int = _f(0, "with hf:PATH: PEFT LoRA adapters of rank R, base frozen (0: none)")
+    lora_alpha: float | None = _f(
+        None, "LoRA scale numerator: the adapters are scaled by alpha / R", default_help="2 x R"
+    )
+    lora_dropout: float = _f(0.0, "dropout on the LoRA adapters' input, in [0, 1)")
+    lora_targets: str | None = _f(
+        None,
+        "modules that get adapters: all-linear (every linear layer but the output head) or "
+        "NAME,NAME (module name suffixes)",
+        default_help="PEFT's choice for the model type, else all-linear",
+    )
     aux_loss_coef: float | None = _f(
         None,
         "with hf:PATH of a mixture of experts: turn on its router load-balancing loss with "
@@ -100,7 +121,20 @@ class TrainConfig:
     )
     dropout: float = _f(0.0, "dropout probability in [0, 1)")
     # data
-    data: str | None = _f(None, "text file, folder (recursive) or glob; default: stdlib .py")
+    data: str | None = _f(
+        None,
+        "text file, folder (recursive) or glob, or JSONL of {text}, {prompt, completion} or "
+        "{messages} records; default: stdlib .py",
+    )
+    val_data: str | None = _f(
+        None, "validation data, as --data (default: --val-fraction of --data held out)"
+    )
+    val_fraction: float = _f(
+        0.1, "share of --data held out for validation when --val-data is not given, in (0, 1)"
+    )
+    skip_bad_records: bool = _f(
+        False, "skip (and count) JSONL records that cannot be used instead of stopping"
+    )
     seq_len: int = _f(128, "maximum tokens (bytes) per sequence")
     micro_batch_size: int | str = _f(
         8,

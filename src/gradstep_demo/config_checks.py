@@ -25,6 +25,7 @@ __all__ = [
     "AUTO",
     "DEVICES",
     "GPT_SHAPE",
+    "INITS",
     "LR_MAX",
     "OPTIMIZERS",
     "PRECISIONS",
@@ -51,7 +52,9 @@ _AT_LEAST_ONE = (
     "seq_len", "accum_steps", "max_steps", "eval_batches", "log_every", "keep_checkpoints"
 )  # fmt: skip
 _AT_LEAST_ZERO = ("warmup", "eval_every", "sample_tokens", "save_every", "threads")
+INITS = ("pretrained", "random")
 _CHOICES = {
+    "init": INITS,
     "precision": PRECISIONS,
     "strategy": STRATEGIES,
     "optimizer": OPTIMIZERS,
@@ -92,6 +95,7 @@ def validate(cfg: TrainConfig) -> None:
     if not 0 <= cfg.seed < 2**32:
         raise ConfigError(f"--seed must be in [0, 2**32), got {cfg.seed}")
     _batch(cfg)
+    _data(cfg)
     _model(cfg)
     _run(cfg)
     for name, allowed in _CHOICES.items():
@@ -181,9 +185,21 @@ def _model(cfg: TrainConfig) -> None:
         raise ConfigError(f"--lora must be >= 0 (0: no adapters), got {cfg.lora}")
     if cfg.aux_loss_coef is not None and not cfg.aux_loss_coef >= 0:
         raise ConfigError(f"--aux-loss-coef must be >= 0, got {cfg.aux_loss_coef}")
+    if cfg.lora_alpha is not None and not cfg.lora_alpha > 0:
+        raise ConfigError(f"--lora-alpha must be > 0, got {cfg.lora_alpha}")
+    if not 0.0 <= cfg.lora_dropout < 1.0:
+        raise ConfigError(f"--lora-dropout must be in [0, 1), got {cfg.lora_dropout}")
+    if not cfg.lora:
+        for name in ("lora_alpha", "lora_targets"):
+            if getattr(cfg, name) is not None:
+                raise ConfigError(f"{flag(name)} shapes LoRA adapters: it needs --lora R")
+        if cfg.lora_dropout:
+            raise ConfigError("--lora-dropout shapes LoRA adapters: it needs --lora R")
     if not cfg.is_hf:
-        for name in ("lora", "aux_loss_coef"):
-            if getattr(cfg, name):
+        hf_only = {"lora": cfg.lora, "aux_loss_coef": cfg.aux_loss_coef, "tokenizer": cfg.tokenizer}
+        hf_only["init"] = cfg.init if cfg.init != "pretrained" else None
+        for name, value in hf_only.items():
+            if value:
                 raise ConfigError(f"{flag(name)} needs --model hf:PATH, got --model {cfg.model}")
         return
     shaped = [flag(name) for name in GPT_SHAPE if getattr(cfg, name) is not None]
@@ -199,6 +215,15 @@ def _model(cfg: TrainConfig) -> None:
             else "--activation-checkpointing wraps the blocks of"
         )
         raise ConfigError(f"{what} the demo GPT only; it cannot be used with hf:PATH")
+
+
+def _data(cfg: TrainConfig) -> None:
+    if not 0.0 < cfg.val_fraction < 1.0:
+        raise ConfigError(f"--val-fraction must be in (0, 1), got {cfg.val_fraction}")
+    for name in ("data", "val_data", "tokenizer"):
+        value = getattr(cfg, name)
+        if value is not None and not value.strip():
+            raise ConfigError(f"{flag(name)} must name a file, folder or glob, got an empty path")
 
 
 def _ramp(cfg: TrainConfig) -> None:

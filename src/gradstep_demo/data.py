@@ -35,10 +35,12 @@ __all__ = [
     "Corpus",
     "DataError",
     "Document",
+    "TextSource",
     "TrainBatches",
     "collate",
     "default_corpus_files",
     "load_corpus",
+    "load_source",
     "validation_batches",
 ]
 
@@ -362,3 +364,30 @@ def validation_batches(
         for i in range(0, min(len(spans), num_batches * micro_batch_size), micro_batch_size)
     ]
     return [packed.batch(g) for g in groups[rank::world_size]]
+
+
+@dataclass(frozen=True)
+class TextSource:
+    """The run's data: where its training stream and validation batches come from."""
+
+    corpus: Corpus
+
+    def describe(self) -> str:
+        return self.corpus.describe()
+
+    def train_batches(
+        self, seq_len: int, rows: int, seed: int, rank: int, world_size: int
+    ) -> TrainBatches:
+        """This rank's resumable stream of training micro-batches of ``rows`` sequences."""
+        return TrainBatches(self.corpus.train, seq_len, rows, seed, rank, world_size)
+
+    def validation_batches(
+        self, seq_len: int, rows: int, num_batches: int, rank: int, world_size: int
+    ) -> list[Batch]:
+        return validation_batches(self.corpus.val, seq_len, rows, num_batches, rank, world_size)
+
+
+def load_source(cfg: Any, tokenizer: Any = None) -> TextSource:
+    """The data ``cfg`` names (``--data``), read as bytes for the demo GPT (``tokenizer``
+    None) or tokenized with the HF model's tokenizer."""
+    return TextSource(load_corpus(cfg.data))

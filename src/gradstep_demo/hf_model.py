@@ -25,7 +25,7 @@ from .config import ConfigError, TrainConfig
 from .data import Batch
 from .model import GPT, GPTConfig
 
-__all__ = ["HFLoss", "LogitsOnly", "build_model", "count_batch", "hf_config"]
+__all__ = ["HFLoss", "LogitsOnly", "build_model", "count_batch", "hf_config", "load_tokenizer"]
 
 HF_PREFIX = "hf:"
 BYTE_VOCAB = 256
@@ -47,6 +47,11 @@ def build_model(cfg: TrainConfig) -> nn.Module:
 
     model = AutoModelForCausalLM.from_config(hf_config(cfg))
     return _with_lora(model, cfg.lora) if cfg.lora else model
+
+
+def load_tokenizer(cfg: TrainConfig) -> Any:
+    """The run's tokenizer: None for the demo GPT (bytes)."""
+    return None
 
 
 def _transformers() -> Any:

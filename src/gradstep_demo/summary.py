@@ -47,7 +47,7 @@ def build(run: Any, losses: dict[str, Any], started: float) -> dict[str, Any]:
         "skipped_steps": stepper.skipped_steps,
         "skip_reasons": dict(stepper.skip_reasons),
         "wall_time_s": time.perf_counter() - started,
-        "corpus": run.corpus.describe(),
+        "corpus": run.source.describe(),
         "sample_prompt": SAMPLE_PROMPT.decode(),
         "sample": sample.decode("utf-8", errors="replace"),
     }

@@ -44,9 +44,9 @@ from gradstep.policies import clip_policies
 from . import planning, preflight, run_folder, summary
 from .batching import Layout, layout_for, windows_of
 from .config import ConfigError, TrainConfig
-from .data import Batch, Corpus, DataError, TrainBatches, load_corpus, validation_batches
+from .data import Batch, DataError, TextSource, TrainBatches, load_source
 from .evaluation import LMLoss, evaluate
-from .hf_model import HFLoss, build_model, count_batch
+from .hf_model import HFLoss, build_model, count_batch, load_tokenizer
 from .schedule import BatchRamp, LRSchedule, WarmupCosine, ramp_windows
 
 __all__ = ["LMLoss", "WarmupCosine", "evaluate", "train"]
@@ -90,7 +90,7 @@ class _Run:
     stepper: Stepper
     train_iter: TrainBatches
     val: list[Batch]
-    corpus: Corpus
+    source: TextSource
     accum_steps: int
     """Micro-batches per window on each rank."""
     layout: Layout
@@ -103,6 +103,8 @@ class _Run:
     schedule: LRSchedule | None = None
     ramp: BatchRamp | None = None
     gns: GradientNoiseScale | None = None
+    tokenizer: Any = None
+    """The HF model's tokenizer (None: the demo GPT's bytes)."""
 
     @property
     def budget(self) -> int:
@@ -140,7 +142,8 @@ def _setup(
     rank, world, device = env.rank, env.world_size, env.device
     out = Path(cfg.out)
     torch.manual_seed(cfg.seed)
-    corpus = load_corpus(cfg.data)
+    tokenizer = load_tokenizer(cfg)  # None: the demo GPT reads bytes
+    source = load_source(cfg, tokenizer)
     layout = layout_for(cfg, world)
     # Same seed on every rank: DDP and FSDP2 both start from identical weights.
     model = build_model(cfg).to(device)
@@ -165,11 +168,9 @@ def _setup(
         on_oom=on_oom,
         hooks=[gns] if gns is not None else None,
     )
-    train_iter = TrainBatches(
-        corpus.train, cfg.seq_len, layout.stream_rows, cfg.seed, rank=rank, world_size=world
-    )
-    val = validation_batches(
-        corpus.val, cfg.seq_len, layout.micro_batch_size, cfg.eval_batches, rank, world
+    train_iter = source.train_batches(cfg.seq_len, layout.stream_rows, cfg.seed, rank, world)
+    val = source.validation_batches(
+        cfg.seq_len, layout.micro_batch_size, cfg.eval_batches, rank, world
     )
     # FSDP2 all-gathers in every forward: all ranks must evaluate as many batches.
     val = val[: parallel.min_over_ranks(len(val))]
@@ -189,11 +190,12 @@ def _setup(
         stepper,
         train_iter,
         val,
-        corpus,
+        source,
         layout.micro_batches,
         layout,
         schedule=schedule,
         gns=gns,
+        tokenizer=tokenizer,
     )
     if cfg.batch_ramp is not None:
         run.ramp = BatchRamp.from_spec(cfg.batch_ramp, layout.micro_batches, world)
