@@ -42,10 +42,14 @@ Why each rule exists:
   :mod:`.state` rather than with ``get_optimizer_state_dict``: that function initialises an
   empty optimizer by running a zero-lr ``step()``, which would turn a fresh AdamW into one
   at step 1 and break an exact resume from a step-0 checkpoint.
+* Adapters stay on their base: a ``trainable_only`` checkpoint records a fingerprint of the
+  frozen weights it was trained on (``objects.<model>.base_fingerprint``) and refuses to load
+  onto another base; one saved before fingerprints loads with a warning.
 
 Modules: :mod:`.checkpointer` (save/load orchestration), :mod:`.layout` (the atomic folder
 protocol and the manifest), :mod:`.codec` (strict JSON and safetensors files),
 :mod:`.state` (model and optimizer, file and DCP paths), :mod:`.rng` (RNG state),
+:mod:`.fingerprint` (the frozen base an adapter-only checkpoint was trained on),
 :mod:`.errors` (:class:`CheckpointError`).
 """
 
@@ -53,8 +57,16 @@ from __future__ import annotations
 
 from .checkpointer import Checkpointer, CheckpointInfo, elastic_accum_steps
 from .errors import CheckpointError
+from .fingerprint import Fingerprint, base_fingerprint
 from .layout import FORMAT as FORMAT
 from .layout import FORMAT_VERSION as FORMAT_VERSION
 from .layout import MANIFEST as MANIFEST
 
-__all__ = ["CheckpointError", "CheckpointInfo", "Checkpointer", "elastic_accum_steps"]
+__all__ = [
+    "CheckpointError",
+    "CheckpointInfo",
+    "Checkpointer",
+    "Fingerprint",
+    "base_fingerprint",
+    "elastic_accum_steps",
+]

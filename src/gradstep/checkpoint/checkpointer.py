@@ -30,6 +30,7 @@ from ..parallel import collectives
 from . import layout
 from .codec import decode, encode, read_tensor_file, write_tensor_file
 from .errors import CheckpointError, not_saved
+from .fingerprint import Fingerprint, base_fingerprint, check_base
 from .rng import rng_file, rng_state, set_rng_state
 from .state import (
     dcp_prepare,
@@ -87,6 +88,15 @@ class CheckpointInfo:
     @property
     def accum_steps(self) -> int | None:
         return self.manifest.get("accum_steps")
+
+    @property
+    def base_fingerprint(self) -> Fingerprint | None:
+        """The fingerprint of the frozen base an adapter-only (``trainable_only``) checkpoint
+        was trained on; None for a full checkpoint or one saved before fingerprints."""
+        for entry in self.manifest["objects"].values():
+            if entry.get("kind") == "module" and entry.get("trainable_only"):
+                return Fingerprint.from_json(entry.get("base_fingerprint"))
+        return None
 
     def accum_steps_for(self, world_size: int) -> int:
         """:func:`elastic_accum_steps` for this checkpoint (needs ``accum_steps`` saved)."""
@@ -279,8 +289,11 @@ class Checkpointer:
                     "file": "model.safetensors",
                     "aliases": aliases,
                 }
-            if only and model.name in objects:
+            # Every rank takes part (a sharded base is gathered tensor by tensor).
+            base = base_fingerprint(module) if only else None
+            if base is not None and model.name in objects:
                 objects[model.name]["trainable_only"] = True
+                objects[model.name]["base_fingerprint"] = base.to_json()
             if optimizer is not None and in_dcp:
                 objects[optimizer.name] = {"kind": "optimizer", "store": "dcp"}
             elif optimizer is not None and main:
@@ -478,6 +491,8 @@ def _prepare_tensors(
             f"checkpoint {info.path} does not fit {names}: {'; '.join(problems)}. "
             "Nothing was loaded."
         )
+    if saved_only:  # adapters: the frozen base must be the one they were trained on
+        check_base(info.path, model.name, entries[model.name], module)
 
     def load() -> None:
         load_model()

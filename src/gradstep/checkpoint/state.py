@@ -58,6 +58,24 @@ def _options(trainable_only: bool, **extra: Any) -> Any:
     return StateDictOptions(**extra)
 
 
+def _buffer_names(model: nn.Module) -> set[str]:
+    return {name for name, _ in collectives.unwrap(model).named_buffers()}
+
+
+def _dcp_model_state(model: nn.Module, trainable_only: bool, state: Any = None) -> Any:
+    """The model's DCP state dict (``state``: one already taken). ``trainable_only``: its
+    trainable parameters only. DCP's ``ignore_frozen_params`` keeps the buffers; they are
+    dropped here, so the several-rank path holds what the one-process path holds."""
+    if state is None:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        state = get_model_state_dict(model, options=_options(trainable_only))
+    if trainable_only:
+        buffers = _buffer_names(model)
+        state = {k: v for k, v in state.items() if k not in buffers}
+    return state
+
+
 def uses_dcp(model: nn.Module | None) -> bool:
     """Several ranks, or sharded (DTensor) parameters: model and optimizer go through DCP."""
     if not collectives.is_initialized() or model is None:
@@ -134,10 +152,7 @@ def load_optim_full(model: nn.Module, optimizer: torch.optim.Optimizer, saved: d
 
 def expected_shapes(model: nn.Module, trainable_only: bool = False) -> dict[str, tuple | None]:
     if uses_dcp(model):
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        # DTensor.shape is the global shape
-        state = get_model_state_dict(model, options=_options(trainable_only))
+        state = _dcp_model_state(model, trainable_only)  # DTensor.shape is the global shape
     elif trainable_only:
         state = trainable_state(model)
     else:
@@ -197,7 +212,7 @@ def dcp_save(
 ) -> bool:
     """Collective save of model (+ optimizer, when it has state) under ``folder/dcp``."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     # An empty optimizer is not given to get_state_dict: it would initialise it with a
     # zero-lr step (see the gradstep.checkpoint docstring); its hyperparameters go to the
@@ -206,9 +221,9 @@ def dcp_save(
     options = _options(trainable_only)
     if with_optim:
         msd, osd = get_state_dict(model, optimizer, options=options)
-        payload = {"model": msd, "optim": osd}
+        payload = {"model": _dcp_model_state(model, trainable_only, msd), "optim": osd}
     else:
-        payload = {"model": get_model_state_dict(model, options=options)}
+        payload = {"model": _dcp_model_state(model, trainable_only)}
     dcp.save(payload, storage_writer=dcp.FileSystemWriter(str(folder / "dcp")))
     return with_optim
 
@@ -232,7 +247,6 @@ def dcp_prepare(
     """Validate a DCP checkpoint against the model; return (problems, loader)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
         get_state_dict,
         set_model_state_dict,
         set_state_dict,
@@ -245,6 +259,8 @@ def dcp_prepare(
         for k, v in meta.items()
         if k.startswith("model.")
     }
+    if trainable_only:  # saved before buffers were left out: they are not loaded either
+        saved = {k: v for k, v in saved.items() if k not in _buffer_names(model)}
     problems = module_problems(saved, expected_shapes(model, trainable_only))
     options = _options(trainable_only)
     if optimizer is not None and optim_in_dcp:
@@ -258,13 +274,14 @@ def dcp_prepare(
     def load() -> None:
         if optimizer is not None and optim_in_dcp:
             msd, osd = get_state_dict(model, optimizer, options=options)
+            msd = _dcp_model_state(model, trainable_only, msd)
             payload = {"model": msd, "optim": osd}
             _dcp_load(payload, path)
             set_state_dict(
                 model, optimizer, model_state_dict=msd, optim_state_dict=osd, options=options
             )
         else:
-            payload = {"model": get_model_state_dict(model, options=options)}
+            payload = {"model": _dcp_model_state(model, trainable_only)}
             _dcp_load(payload, path)
             set_model_state_dict(model, payload["model"], options=options)
 
