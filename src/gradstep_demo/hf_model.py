@@ -1,16 +1,22 @@
 """``gradstep train --model hf:PATH``: a Hugging Face causal LM as the demo's model.
 
-The model is built from a config alone (a ``config.json`` or a ``save_pretrained`` folder),
-randomly initialised from ``--seed``, never downloaded. ``--lora R`` wraps it in PEFT LoRA
-adapters (PEFT's default attention projections for the model type; the base is frozen),
-and ``--aux-loss-coef`` turns on a mixture-of-experts model's router loss. The byte-level
-corpus stays: the model's vocabulary must hold the 256 byte values.
+Nothing is ever downloaded. ``hf:DIR`` loads DIR's weights when it holds any, else (and
+with ``--init random``, and for ``hf:path/to/config.json``) random weights from ``--seed``;
+the tokenizer is DIR's own (``--tokenizer`` overrides; none: the data is bytes). Parameters
+are float32, except the frozen base of ``--lora --precision bf16`` (bfloat16; PEFT keeps
+the adapters float32): an AdamW update of ~lr rounded into bf16 storage is lost for most
+weights at fine-tuning learning rates, so trained weights stay float32 under autocast
+(docs/hugging-face.md, "Your model and tokenizer"). ``--lora`` adds PEFT adapters
+(:func:`add_lora`); ``--aux-loss-coef`` turns on a mixture of experts' router loss.
 """
 
 from __future__ import annotations
 
+import contextlib
+import pickle
 import sys
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,10 +31,19 @@ from .config import ConfigError, TrainConfig
 from .data import Batch
 from .model import GPT, GPTConfig
 
-__all__ = ["HFLoss", "LogitsOnly", "build_model", "count_batch", "hf_config", "load_tokenizer"]
+__all__ = [
+    "HFLoss", "LogitsOnly", "add_lora", "adapted", "build_model", "count_batch", "hf_config",
+    "load_tokenizer", "param_dtype",
+]  # fmt: skip
 
 HF_PREFIX = "hf:"
 BYTE_VOCAB = 256
+WEIGHT_FILES = (
+    "model.safetensors", "model.safetensors.index.json",
+    "pytorch_model.bin", "pytorch_model.bin.index.json",
+)  # fmt: skip
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+ALL_LINEAR = "all-linear"
 
 
 def build_model(cfg: TrainConfig) -> nn.Module:
@@ -43,15 +58,104 @@ def build_model(cfg: TrainConfig) -> nn.Module:
                 dropout=cfg.dropout,
             )
         )
+    model = _pretrained_or_random(cfg, hf_config(cfg))
+    return add_lora(model, cfg) if cfg.lora else model
+
+
+def param_dtype(cfg: TrainConfig) -> torch.dtype:
+    """The dtype the HF model's base parameters are held in (the module docstring: why)."""
+    return torch.bfloat16 if cfg.lora and cfg.precision == "bf16" else torch.float32
+
+
+def _path(cfg: TrainConfig) -> Path:
+    return Path(cfg.model[len(HF_PREFIX) :]).expanduser()
+
+
+def _weights(path: Path) -> str | None:
+    """The weight file of folder ``path`` from_pretrained would read (None: none)."""
+    if path.is_dir():
+        return next((name for name in WEIGHT_FILES if (path / name).is_file()), None)
+    return None
+
+
+def _pretrained_or_random(cfg: TrainConfig, config: Any) -> nn.Module:
+    path, dtype = _path(cfg), param_dtype(cfg)
+    weights = _weights(path)
+    if weights is not None and cfg.init == "pretrained":
+        model = _from_pretrained(cfg, path, config, dtype)
+        count = sum(p.numel() for p in model.parameters())
+        _note(f"loaded pretrained weights from {path} ({count:,} parameters)")
+        return model.train()  # from_pretrained returns eval mode: dropout would be off
+    _note(_random_init_note(cfg, path, weights))
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_config(hf_config(cfg))
-    return _with_lora(model, cfg.lora) if cfg.lora else model
+    torch.manual_seed(cfg.seed)  # the seed's init, whatever ran before
+    # Drawn in float32 and rounded once, so a bf16 base is the float32 init's rounding.
+    return AutoModelForCausalLM.from_config(config).to(dtype)
 
 
-def load_tokenizer(cfg: TrainConfig) -> Any:
-    """The run's tokenizer: None for the demo GPT (bytes)."""
-    return None
+def _random_init_note(cfg: TrainConfig, path: Path, weights: str | None) -> str:
+    seed = f"random init (--seed {cfg.seed})"
+    if not path.is_dir():
+        beside = _weights(path.parent)
+        hint = f"; hf:{path.parent} would load its {beside}" if beside else ""
+        return f"model {cfg.model!r} is a config alone: {seed}{hint}"
+    if weights is None:
+        return f"no weights in {path}: random init"
+    return f"--init random: {weights} in {path} is not loaded: {seed}"
+
+
+def _from_pretrained(cfg: TrainConfig, path: Path, config: Any, dtype: torch.dtype) -> nn.Module:
+    """DIR's weights into a model of ``config``; weights of another config are an error."""
+    from safetensors import SafetensorError
+    from transformers import AutoModelForCausalLM
+
+    unreadable = (OSError, ValueError, RuntimeError, KeyError, EOFError, SafetensorError)
+    try:
+        with _quiet_transformers():
+            model, info = AutoModelForCausalLM.from_pretrained(
+                str(path),
+                config=config,  # ours: router loss and use_cache already set
+                dtype=dtype,
+                local_files_only=True,
+                output_loading_info=True,
+                ignore_mismatched_sizes=True,  # reported below, with the folder's name
+            )
+    except (*unreadable, pickle.UnpicklingError) as exc:
+        raise ConfigError(
+            f"model {cfg.model!r}: cannot load the weights in {path} ({exc})"
+        ) from None
+    problems = {
+        "missing from the files": sorted(info.get("missing_keys", ())),
+        "in the files but not in the model": sorted(info.get("unexpected_keys", ())),
+        "of another shape": sorted(str(k) for k in info.get("mismatched_keys", ())),
+    }
+    some = lambda keys: ", ".join(keys[:3]) + (", ..." if len(keys) > 3 else "")  # noqa: E731
+    found = [f"{len(keys)} {what} ({some(keys)})" for what, keys in problems.items() if keys]
+    if found:
+        raise ConfigError(
+            f"model {cfg.model!r}: the weights in {path} are not those of the model its "
+            f"config.json describes: parameters {'; '.join(found)}. Point --model at a folder "
+            "whose config.json and weights belong together (save_pretrained writes both), or "
+            "pass --init random to start from random weights"
+        )
+    return model
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """No progress bar or load report while loading: what matters is checked and said here."""
+    from transformers.utils import logging
+
+    verbosity, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(verbosity)
+        if bars:
+            logging.enable_progress_bar()
 
 
 def _transformers() -> Any:
@@ -64,25 +168,26 @@ def _transformers() -> Any:
     return transformers
 
 
-def hf_config(cfg: TrainConfig) -> Any:
-    """The HF config from ``hf:PATH``, checked against the run and adjusted for training."""
+def _read_config(cfg: TrainConfig) -> Any:
+    """The HF config ``hf:PATH`` names, as saved."""
     transformers = _transformers()
-    path = Path(cfg.model[len(HF_PREFIX) :]).expanduser()
+    path = _path(cfg)
     if not (path.is_file() or (path / "config.json").is_file()):
+        adapter = (path / "adapter_config.json").is_file()
+        hint = " (a PEFT adapter folder: point --model at its base model)" if adapter else ""
         raise ConfigError(
             f"model {cfg.model!r}: {str(path)!r} is neither a config.json file nor a folder "
-            "holding one (save_pretrained); nothing is ever downloaded"
+            f"holding one (save_pretrained){hint}; nothing is ever downloaded"
         )
     try:
-        config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+        return transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError, KeyError) as exc:
         raise ConfigError(f"model {cfg.model!r}: not a usable HF config ({exc})") from None
-    vocab = getattr(config, "vocab_size", None)
-    if not isinstance(vocab, int) or vocab < BYTE_VOCAB:
-        raise ConfigError(
-            f"model {cfg.model!r}: vocab_size must be >= {BYTE_VOCAB} (the demo's byte-level "
-            f"tokens), got {vocab}"
-        )
+
+
+def hf_config(cfg: TrainConfig) -> Any:
+    """The HF config from ``hf:PATH``, checked against the run and adjusted for training."""
+    config = _read_config(cfg)
     positions = getattr(config, "max_position_embeddings", None) or getattr(
         config, "n_positions", None
     )
@@ -99,33 +204,76 @@ def hf_config(cfg: TrainConfig) -> Any:
             )
         config.output_router_logits = True
         config.router_aux_loss_coef = cfg.aux_loss_coef
-    for line in _notes(cfg, path, config):
-        _note(line)
-    config.use_cache = False  # training: no KV cache built in every forward
-    return config
-
-
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
-
-
-def _notes(cfg: TrainConfig, path: Path, config: Any) -> list[str]:
-    """What the run silently does differently from what the model folder suggests."""
-    notes = []
-    folder = path if path.is_dir() else path.parent
-    weights = [name for name in WEIGHT_FILES if (folder / name).is_file()]
-    if weights:
-        notes.append(
-            f"model {cfg.model!r}: {weights[0]} is not loaded; hf:PATH builds the model from "
-            f"its config with random weights (--seed {cfg.seed})"
-        )
     routed = hasattr(config, "router_aux_loss_coef")
     if routed and cfg.aux_loss_coef is None and not getattr(config, "output_router_logits", False):
-        notes.append(
+        _note(
             f"model {cfg.model!r} is a mixture of experts whose config has "
             "output_router_logits false: its router load-balancing loss is off; pass "
             f"--aux-loss-coef COEF (the config's is {config.router_aux_loss_coef}) to turn it on"
         )
-    return notes
+    config.use_cache = False  # training: no KV cache built in every forward
+    return config
+
+
+def load_tokenizer(cfg: TrainConfig) -> Any:
+    """The run's tokenizer: ``--tokenizer``, else DIR's own, else None (the data is read as
+    bytes; so for the demo GPT). It has a pad token (EOS when it has none: padding is masked
+    by length and labels, never by id) and fits the model's vocabulary."""
+    if not cfg.is_hf:
+        return None
+    config = _read_config(cfg)
+    path = _path(cfg)
+    folder = path if path.is_dir() else path.parent
+    vocab = getattr(config, "vocab_size", None)
+    if cfg.tokenizer is not None:
+        source, what = Path(cfg.tokenizer).expanduser(), f"--tokenizer {cfg.tokenizer}"
+    elif any((folder / name).is_file() for name in TOKENIZER_FILES):
+        source, what = folder, f"the tokenizer in {folder}"
+    else:
+        if not isinstance(vocab, int) or vocab < BYTE_VOCAB:
+            raise ConfigError(
+                f"model {cfg.model!r}: vocab_size must be >= {BYTE_VOCAB} to read the data as "
+                f"bytes (no tokenizer in {folder}), got {vocab}; pass --tokenizer PATH"
+            )
+        _note(
+            f"no tokenizer in {folder} and no --tokenizer: the data is read as bytes "
+            "(token ids 0-255)"
+        )
+        return None
+    tokenizer = _auto_tokenizer(source, what)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if isinstance(vocab, int) and len(tokenizer) > vocab:
+        raise ConfigError(
+            f"{what} holds {len(tokenizer)} tokens but model {cfg.model!r} has vocab_size "
+            f"{vocab}: ids from {vocab} on have no embedding. Use the model's own tokenizer "
+            "(or a model whose vocabulary holds this tokenizer's)"
+        )
+    return tokenizer
+
+
+def _auto_tokenizer(source: Path, what: str) -> Any:
+    """A tokenizer folder (AutoTokenizer) or a ``tokenizer.json`` file, with an EOS token."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if not source.exists():
+        raise ConfigError(f"{what}: no such file or folder")
+    if source.name == "tokenizer.json" and (source.parent / "tokenizer_config.json").is_file():
+        source = source.parent  # its special tokens (EOS, pad, chat template) are there
+    try:
+        with _quiet_transformers():
+            if source.is_dir():
+                tokenizer = AutoTokenizer.from_pretrained(str(source), local_files_only=True)
+            else:
+                tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(source))
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise ConfigError(f"{what}: not a usable Hugging Face tokenizer ({exc})") from None
+    if tokenizer.eos_token is None:
+        raise ConfigError(
+            f"{what} has no EOS token (it ends documents and completions): use a tokenizer "
+            "folder whose tokenizer_config.json sets eos_token"
+        )
+    return tokenizer
 
 
 def _note(line: str) -> None:
@@ -134,23 +282,116 @@ def _note(line: str) -> None:
         print(line, file=sys.stderr)
 
 
-def _with_lora(model: nn.Module, r: int) -> nn.Module:
+# PEFT's own warnings about its internals (transformers' deprecated property it reads; the
+# v4-to-v5 MoE renaming of its all-linear rank pattern): nothing the user can act on.
+_PEFT_NOISE = (
+    (".*is_gradient_checkpointing.*", FutureWarning),
+    (".*(rank|alpha)_pattern keys did not match.*", RuntimeWarning),
+)
+
+
+def add_lora(model: nn.Module, cfg: TrainConfig) -> nn.Module:
+    """``model`` (a bare ``PreTrainedModel``) with PEFT LoRA adapters as ``cfg`` asks
+    (``--lora``, ``--lora-alpha``, ``--lora-dropout``, ``--lora-targets``), base frozen."""
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError:
         raise ConfigError("lora needs peft: pip install 'gradstep[hf]'") from None
+    modules, parameters, source = _targets(model, cfg.lora_targets)
+    alpha = cfg.lora_alpha if cfg.lora_alpha is not None else 2.0 * cfg.lora
+    lora = LoraConfig(
+        r=cfg.lora,
+        lora_alpha=alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=modules,
+        target_parameters=parameters,
+    )
     try:
         with warnings.catch_warnings():
-            # PEFT reads transformers' deprecated `is_gradient_checkpointing`: its warning is
-            # about PEFT's code, nothing the user can act on.
-            warnings.filterwarnings(
-                "ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning
-            )
-            # target_modules=None: PEFT's own choice for the model type, its attention
-            # projections.
-            return get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0))
+            for message, category in _PEFT_NOISE:
+                warnings.filterwarnings("ignore", message=message, category=category)
+            wrapped = get_peft_model(model, lora)
     except ValueError as exc:
-        raise ConfigError(f"lora: PEFT cannot place adapters in this model ({exc})") from None
+        raise ConfigError(_peft_refusal(exc, cfg)) from None
+    scale = f"{alpha / cfg.lora:g}"
+    _note(
+        f"LoRA rank {cfg.lora}, alpha {alpha:g} (scale alpha/rank = {scale}), dropout "
+        f"{cfg.lora_dropout:g}: adapters on {', '.join(adapted(wrapped))} ({source})"
+    )
+    return wrapped
+
+
+def _targets(model: nn.Module, spec: str | None) -> tuple[Any, list[str] | None, str]:
+    """(target_modules, target_parameters, where they come from) for PEFT."""
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if spec is None:
+        default = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(model_type)
+        if default is not None:
+            return list(default), None, f"PEFT's default for {model_type}"
+        return ALL_LINEAR, None, f"all-linear: PEFT has no default for {model_type}"
+    if spec.strip().lower() == ALL_LINEAR:
+        return ALL_LINEAR, None, "--lora-targets all-linear"
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    if not names:
+        raise ConfigError(f"--lora-targets must be all-linear or NAME,NAME, got {spec!r}")
+    modules = [n for n in names if _matches(n, (m for m, _ in model.named_modules()))]
+    parameters = [n for n in names if n not in modules and _matches(n, _expert_params(model))]
+    unknown = [n for n in names if n not in modules and n not in parameters]
+    if unknown:
+        raise ConfigError(
+            f"--lora-targets: {', '.join(unknown)} matches no module of this {model_type} "
+            f"model; {_target_names(model)} (or pass all-linear)"
+        )
+    return modules, parameters or None, "--lora-targets"
+
+
+def _matches(name: str, full_names: Any) -> bool:
+    """PEFT's rule: a target is a full name or a suffix after a dot."""
+    return any(full == name or full.endswith("." + name) for full in full_names)
+
+
+def _expert_params(model: nn.Module) -> list[str]:
+    """Parameters PEFT can adapt directly (target_parameters): 3-D expert weights."""
+    return [name for name, p in model.named_parameters() if p.dim() == 3]
+
+
+def _target_names(model: nn.Module) -> str:
+    """What NAMEs the model offers: its linear layers (not the head) and expert weights."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    linear = {n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+              if isinstance(m, nn.Linear) and m is not head}  # fmt: skip
+    experts = {name.rsplit(".", 1)[-1] for name in _expert_params(model)}
+    text = f"its linear layers are {', '.join(sorted(linear))}"
+    return text + (f", its expert weights {', '.join(sorted(experts))}" if experts else "")
+
+
+def adapted(model: nn.Module) -> list[str]:
+    """The short names of what got LoRA adapters in a PEFT model (modules and parameters)."""
+    from peft.tuners.lora import LoraLayer, ParamWrapper
+
+    names = set()
+    for name, module in model.named_modules():
+        # A parameter's wrappers nest (experts.base_layer): name it by its owning module.
+        short = name.replace(".base_layer", "").rsplit(".", 1)[-1]
+        if isinstance(module, ParamWrapper):
+            names.add(f"{short}.{module.parameter_name}")
+        elif isinstance(module, LoraLayer):
+            names.add(short)
+    return sorted(names)
+
+
+def _peft_refusal(exc: ValueError, cfg: TrainConfig) -> str:
+    """PEFT's ValueError as the flags the user can change."""
+    text = str(exc).split("\n")[0]
+    if "lora_dropout" in text:
+        return (
+            f"--lora-dropout {cfg.lora_dropout:g}: PEFT cannot apply dropout to adapters on "
+            "expert weights (3-D parameters, which all-linear adapts on this model): pass "
+            "--lora-dropout 0, or --lora-targets with linear layers only"
+        )
+    return f"--lora-targets: PEFT cannot place adapters in this model ({text})"
 
 
 def count_batch(batch: Batch) -> int:

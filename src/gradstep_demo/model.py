@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPT", "GPTConfig", "apply_rotary", "generate", "rotary_tables"]
+__all__ = ["GPT", "GPTConfig", "apply_rotary", "generate", "generate_ids", "rotary_tables"]
 
 
 @dataclass(frozen=True)
@@ -176,7 +176,6 @@ class GPT(nn.Module):
         return self.lm_head(self.norm(x))
 
 
-@torch.no_grad()
 def generate(
     model: nn.Module,
     prompt_bytes: bytes,
@@ -185,15 +184,34 @@ def generate(
     top_k: int | None = None,
     generator: torch.Generator | None = None,
 ) -> bytes:
-    """Sample ``max_new_tokens`` bytes after ``prompt_bytes`` and return only the new bytes.
+    """Sample ``max_new_tokens`` bytes after ``prompt_bytes`` and return only the new bytes
+    (:func:`generate_ids` on the byte values; an empty prompt starts from a newline)."""
+    prompt = list(prompt_bytes) or [ord("\n")]
+    return bytes(generate_ids(model, prompt, max_new_tokens, temperature, top_k, generator))
+
+
+@torch.no_grad()
+def generate_ids(
+    model: nn.Module,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+    max_len: int | None = None,
+) -> list[int]:
+    """Sample ``max_new_tokens`` token ids after ``prompt_ids`` (not empty) and return only
+    the new ones.
 
     No KV cache: the demo model is tiny and samples are short, so re-running the context
-    (cropped to ``max_seq_len``) keeps this function obviously correct. ``temperature <= 0``
-    means greedy decoding. The model's train/eval mode is restored afterwards.
+    (cropped to ``max_len``, default the model's ``config.max_seq_len`` when it has one)
+    keeps this function obviously correct. ``temperature <= 0`` means greedy decoding. The
+    model's train/eval mode is restored afterwards.
     """
     device = next(model.parameters()).device
-    max_len = getattr(getattr(model, "config", None), "max_seq_len", None)
-    ids = torch.tensor(list(prompt_bytes) or [ord("\n")], dtype=torch.long, device=device)[None]
+    if max_len is None:
+        max_len = getattr(getattr(model, "config", None), "max_seq_len", None)
+    ids = torch.tensor(prompt_ids, dtype=torch.long, device=device)[None]
     was_training = model.training
     model.eval()
     try:
@@ -212,4 +230,4 @@ def generate(
             ids = torch.cat((ids, next_id), dim=1)
     finally:
         model.train(was_training)
-    return bytes(ids[0, -max_new_tokens:].tolist()) if max_new_tokens > 0 else b""
+    return ids[0, len(prompt_ids) :].tolist()

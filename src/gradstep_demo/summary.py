@@ -12,7 +12,7 @@ import torch
 from gradstep import parallel
 
 from .hf_model import LogitsOnly
-from .model import generate
+from .model import generate, generate_ids
 
 __all__ = ["SAMPLE_PROMPT", "build", "existing", "show"]
 
@@ -22,14 +22,6 @@ SAMPLE_PROMPT = b"def "
 def build(run: Any, losses: dict[str, Any], started: float) -> dict[str, Any]:
     """The run's ``summary.json``: losses, batch, events, wall time and a sample."""
     cfg, stepper = run.cfg, run.stepper
-    sample = b""
-    if cfg.sample_tokens:
-        gen = torch.Generator().manual_seed(cfg.seed)
-        # Every rank generates (FSDP2's forward needs them all); the same seed and weights
-        # give the same sample, and rank 0 reports it.
-        model = parallel.unwrap(run.model)
-        sampler = LogitsOnly(model) if cfg.is_hf else model
-        sample = generate(sampler, SAMPLE_PROMPT, cfg.sample_tokens, 0.8, 40, gen)
     layout = run.layout
     effective = layout.stream_items_per_window * layout.stream_rows * run.world_size
     return {
@@ -49,8 +41,32 @@ def build(run: Any, losses: dict[str, Any], started: float) -> dict[str, Any]:
         "wall_time_s": time.perf_counter() - started,
         "corpus": run.source.describe(),
         "sample_prompt": SAMPLE_PROMPT.decode(),
-        "sample": sample.decode("utf-8", errors="replace"),
+        "sample": _sample(run) if cfg.sample_tokens else "",
     }
+
+
+def _sample(run: Any) -> str:
+    """``--sample-tokens`` tokens after the prompt: encoded and decoded with the run's
+    tokenizer when it has one, else bytes (the demo GPT, an HF model without tokenizer)."""
+    cfg, tokenizer = run.cfg, getattr(run, "tokenizer", None)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    # Every rank generates (FSDP2's forward needs them all); the same seed and weights
+    # give the same sample, and rank 0 reports it.
+    model = parallel.unwrap(run.model)
+    if not cfg.is_hf:
+        return generate(model, SAMPLE_PROMPT, cfg.sample_tokens, 0.8, 40, gen).decode(
+            "utf-8", errors="replace"
+        )
+    # The context stays within the trained length (models with learned positions index
+    # past their table beyond max_position_embeddings >= seq_len).
+    sampler, text = LogitsOnly(model), SAMPLE_PROMPT.decode()
+    prompt = list(SAMPLE_PROMPT) if tokenizer is None else tokenizer(text)["input_ids"]
+    new = generate_ids(sampler, prompt, cfg.sample_tokens, 0.8, 40, gen, max_len=cfg.seq_len)
+    if tokenizer is None:  # bytes; an id past 255 (a larger vocabulary) is not one
+        return b"".join(bytes([i]) if i < 256 else b"\xff" for i in new).decode(
+            "utf-8", errors="replace"
+        )
+    return tokenizer.decode(new)
 
 
 def _parameters(summary: dict[str, Any]) -> str:

@@ -1,5 +1,6 @@
 """`gradstep train --model hf:PATH` with --lora and --aux-loss-coef: tiny configs written
-to a temporary folder (random init, nothing downloaded)."""
+to a temporary folder (random init, nothing downloaded). Pretrained weights and the
+tokenizer: test_hf_pretrained*.py; LoRA on every family: test_lora_families.py."""
 
 from __future__ import annotations
 
@@ -116,17 +117,6 @@ def test_a_moe_without_its_router_loss_says_so_once(tmp_path, capsys):
     assert _notes(tmp_path, capsys, _config(tmp_path, "llama")) == ""  # dense: nothing to say
 
 
-def test_weights_in_the_model_folder_are_said_to_be_unused(tmp_path, capsys):
-    """hf-client friction 1: a save_pretrained folder's weights were silently ignored."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    folder = tmp_path / "pretrained"
-    AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=256, **SHAPE)).save_pretrained(folder)
-    err = _notes(tmp_path, capsys, folder, seed=3)
-    assert "model.safetensors is not loaded" in err and "random weights (--seed 3)" in err
-    assert "model.safetensors is not loaded" in _notes(tmp_path, capsys, folder / "config.json")
-
-
 def test_lora_shows_no_transformers_deprecation_warning(tmp_path):
     """N68/N69: every --lora run printed transformers' FutureWarning about
     is_gradient_checkpointing (PEFT reads the deprecated property)."""
@@ -144,6 +134,24 @@ def test_lora_shows_no_transformers_deprecation_warning(tmp_path):
     assert [str(w.message) for w in caught] == ["still shown"], [str(w.message) for w in caught]
     assert warnings.filters == before
     assert any("lora_" in name for name, _ in model.named_parameters())
+
+
+def test_lora_on_fused_experts_shows_no_peft_internal_warning(tmp_path):
+    """PEFT's all-linear on Qwen3-MoE renames its own rank pattern for transformers 5's
+    fused experts and warns that the pattern matched nothing: PEFT's internals, not the
+    user's flags."""
+    import warnings
+
+    from gradstep_demo.config import TrainConfig
+    from gradstep_demo.hf_model import build_model
+    from tests.support import hf_assets
+
+    folder = hf_assets.model_dir(tmp_path / "moe", "qwen3_moe", weights="none", tokenizer=False)
+    cfg = TrainConfig(model=f"hf:{folder}", seq_len=32, lora=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        build_model(cfg)
+    assert [str(w.message) for w in caught] == []
 
 
 def test_train_help_names_both_models(capsys):

@@ -133,6 +133,18 @@ def config_for(family: str, vocab_size: int = VOCAB, **overrides: Any) -> Any:
             shared_expert_intermediate_size=32,
         ),  # fmt: skip
         "olmoe": lambda: tf.OlmoeConfig(**common, **llama_like, **moe),
+        # The rest of hf-client-2's families (LoRA must place adapters in each).
+        "phi": lambda: tf.PhiConfig(**common, **llama_like, resid_pdrop=0.0, embd_pdrop=0.0),
+        "qwen3_moe": lambda: tf.Qwen3MoeConfig(
+            **common, **llama_like, **moe, moe_intermediate_size=32
+        ),
+        "granitemoe": lambda: tf.GraniteMoeConfig(
+            **common,
+            **llama_like,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            output_router_logits=False,
+        ),  # fmt: skip
     }
     if family not in builders:
         raise ValueError(f"family must be one of {', '.join(builders)}, got {family!r}")
@@ -143,6 +155,10 @@ def config_for(family: str, vocab_size: int = VOCAB, **overrides: Any) -> Any:
 
 
 FAMILIES = ("llama", "qwen2", "phi3", "gpt_neox", "opt", "qwen2_moe", "olmoe")
+REVIEW_FAMILIES = (
+    "qwen2", "phi3", "phi", "gpt_neox", "opt", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe",
+)  # fmt: skip
+"""The 9 families hf-client-2 tried (FAMILIES is unchanged: other tests iterate over it)."""
 
 
 def build_model(family: str = "llama", seed: int = 0, **overrides: Any) -> Any:
