@@ -1,4 +1,10 @@
-"""Byte-level text data for the demo trainer: corpus loading, chunking and batching.
+"""The demo trainer's data: text files and JSONL records, read, split and batched.
+
+``--data`` names text files (a file, a folder searched recursively, or a glob) or JSONL
+files of records (:mod:`.records`); one argument holds one kind. Text is UTF-8 bytes for
+the demo GPT, or the HF model's tokens (:mod:`.tokenized`: documents end with EOS, records
+train on their completion or assistant turns only). Validation is ``--val-data``, or
+``--val-fraction`` of ``--data`` held out: whole files for text, records for JSONL.
 
 Design points, each there because the optimizer step depends on it:
 
@@ -6,7 +12,7 @@ Design points, each there because the optimizer step depends on it:
   micro-batches carry different numbers of real tokens. That is exactly the case where
   averaging per-micro-batch mean losses is wrong and the exact token-weighted step matters.
 * **Labels are pre-shifted and padded with -100**: ``labels[t]`` is the target of input
-  position ``t``; the loss never shifts and never counts padding.
+  position ``t``; the loss never shifts and never counts padding or a prompt.
 * **Deterministic, resumable order.** The order of an epoch is a pure function of
   ``(seed, epoch)``, so the iterator's position is just ``(epoch, index)``; restoring it
   continues with exactly the micro-batch that would have come next.
@@ -19,9 +25,10 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import math
 import os
 import sysconfig
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,9 +36,24 @@ from typing import Any
 import numpy as np
 import torch
 
-from gradstep.errors import GradstepError
+from .records import BadRecords, DataError, Encoder, Record, read_jsonl
+from .tokenized import (
+    IGNORE_INDEX,
+    PAD_ID,
+    Batch,
+    Document,
+    Sequences,
+    Side,
+    TextSource,
+    TrainBatches,
+    plural_records,
+    validation_batches,
+)
 
 __all__ = [
+    "IGNORE_INDEX",
+    "PAD_ID",
+    "Batch",
     "Corpus",
     "DataError",
     "Document",
@@ -44,10 +66,6 @@ __all__ = [
     "validation_batches",
 ]
 
-Batch = dict[str, torch.Tensor]
-
-IGNORE_INDEX = -100
-PAD_ID = 0
 # ~3 MB of stdlib source: enough text that the demo does not memorise it in a few minutes,
 # small enough to load in well under a second.
 DEFAULT_CORPUS_BYTES = 3_000_000
@@ -56,19 +74,8 @@ MAX_DEFAULT_FILE_BYTES = 200_000
 SKIP_DIRS = frozenset(
     {"test", "tests", "idle_test", "site-packages", "__pycache__", "encodings", "pydoc_data"}
 )
-VAL_BUCKETS = 10  # one file in ten (by path hash) is validation
-
-
-class DataError(GradstepError, ValueError):
-    """The ``--data`` argument names nothing usable; the message says what was searched."""
-
-
-@dataclass(frozen=True)
-class Document:
-    """One file's bytes; ``name`` is its path relative to the corpus root."""
-
-    name: str
-    data: bytes
+VAL_BUCKETS = 10  # --val-fraction 0.1: one file in ten (by path hash) is validation
+JSONL = ".jsonl"
 
 
 @dataclass(frozen=True)
@@ -120,12 +127,12 @@ def default_corpus_files(max_bytes: int = DEFAULT_CORPUS_BYTES) -> tuple[Path, l
     return root, sorted(chosen, key=lambda p: p.relative_to(root).as_posix())
 
 
-def _read_text_file(path: Path) -> bytes | str:
+def _read_text_file(path: Path, flag: str = "--data") -> bytes | str:
     """The bytes of a UTF-8 text file, or why it is skipped: "binary", "not UTF-8", "empty"."""
     try:
         data = path.read_bytes()
     except OSError as exc:
-        raise DataError(f"--data: cannot read {str(path)!r}: {exc.strerror or exc}") from None
+        raise DataError(f"{flag}: cannot read {str(path)!r}: {exc.strerror or exc}") from None
     if not data:
         return "empty"
     if b"\x00" in data:  # NUL anywhere: binary, not text to train on
@@ -137,10 +144,10 @@ def _read_text_file(path: Path) -> bytes | str:
     return data
 
 
-def _none_usable(source: str, skipped: dict[str, list[str]]) -> DataError:
+def _none_usable(source: str, skipped: dict[str, list[str]], flag: str = "--data") -> DataError:
     """The error for data with no usable file: why each kind of file was skipped."""
     if not skipped:
-        return DataError(f"--data {source!r}: no files found (hidden ones are skipped)")
+        return DataError(f"{flag} {source!r}: no files found (hidden ones are skipped)")
     reasons = "; ".join(
         f"{len(names)} files are {why}, e.g. {names[0]!r}"
         if len(names) > 1
@@ -148,11 +155,11 @@ def _none_usable(source: str, skipped: dict[str, list[str]]) -> DataError:
         for why, names in skipped.items()
     )
     return DataError(
-        f"--data {source!r}: no non-empty UTF-8 text files found ({reasons}); give text files"
+        f"{flag} {source!r}: no non-empty UTF-8 text files found ({reasons}); give text files"
     )
 
 
-def _user_files(spec: str) -> tuple[Path, list[Path]]:
+def _user_files(spec: str, flag: str = "--data") -> tuple[Path, list[Path]]:
     """Resolve ``--data``: a file, a folder (recursive, hidden entries skipped) or a glob."""
     if not Path(spec).exists() and any(ch in spec for ch in "*?["):
         paths = sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file())
@@ -167,31 +174,67 @@ def _user_files(spec: str) -> tuple[Path, list[Path]]:
     elif Path(spec).is_file():
         root, paths = Path(spec).parent, [Path(spec)]
     else:
-        raise DataError(f"--data {spec!r}: no such file or folder")
+        raise DataError(f"{flag} {spec!r}: no such file or folder")
     return root, paths
 
 
-def _split_by_file(docs: list[Document]) -> tuple[list[Document], list[Document]]:
-    """Put one file in ``VAL_BUCKETS`` (by path hash) into validation, never part of a file.
+def _unit(key: str) -> float:
+    """A stable pseudo-random number in [0, 1) for ``key``: below ``fraction`` is validation.
 
-    With few files the hash rule may pick none (or all); then the file with the smallest hash
-    is validation. A single file cannot be split by file, so its last tenth is validation.
+    Its first decimal digit is the path hash mod 10, so ``--val-fraction 0.1`` holds out
+    exactly the files it always did (hash mod 10 == 0); the rest of the hash fills in the
+    digits that other fractions need.
+    """
+    h = _path_hash(key)
+    return (h % VAL_BUCKETS + (h // VAL_BUCKETS % 10**9) / 10**9) / VAL_BUCKETS
+
+
+def _held_out(keys: Sequence[str], fraction: float) -> list[bool]:
+    """Which items are validation: ``fraction`` of them by hash of their key; when that picks
+    none (or all), the one with the smallest hash alone."""
+    is_val = [_unit(k) < fraction for k in keys]
+    if not any(is_val) or all(is_val):
+        smallest = min(range(len(keys)), key=lambda i: _path_hash(keys[i]))
+        is_val = [i == smallest for i in range(len(keys))]
+    return is_val
+
+
+def _split_by_file(
+    docs: list[Document], fraction: float = 1 / VAL_BUCKETS
+) -> tuple[list[Document], list[Document]]:
+    """Put ``fraction`` of the files (by path hash) into validation, never part of a file.
+
+    A single file cannot be split by file, so its last ``fraction`` is validation.
     """
     if len(docs) == 1:
         data = docs[0].data
-        cut = max(1, len(data) - max(len(data) // VAL_BUCKETS, 2))
+        cut = max(1, len(data) - max(math.floor(len(data) * fraction), 2))
         return [Document(docs[0].name, data[:cut])], [Document(docs[0].name + "#val", data[cut:])]
-    is_val = [_path_hash(d.name) % VAL_BUCKETS == 0 for d in docs]
-    if not any(is_val) or all(is_val):
-        smallest = min(range(len(docs)), key=lambda i: _path_hash(docs[i].name))
-        is_val = [i == smallest for i in range(len(docs))]
+    is_val = _held_out([d.name for d in docs], fraction)
     train = [d for d, v in zip(docs, is_val, strict=True) if not v]
     val = [d for d, v in zip(docs, is_val, strict=True) if v]
     return train, val
 
 
+def _text_files(
+    root: Path, paths: Sequence[Path], source: str, flag: str = "--data"
+) -> list[Document]:
+    """The usable text files among ``paths``; none usable is an error saying why."""
+    docs, skipped = [], {}
+    for path in paths:
+        content = _read_text_file(path, flag)
+        name = path.relative_to(root).as_posix()
+        if isinstance(content, str):
+            skipped.setdefault(content, []).append(name)
+        else:
+            docs.append(Document(name, content))
+    if not docs:
+        raise _none_usable(source, skipped, flag)
+    return docs
+
+
 def load_corpus(data: str | None = None, max_bytes: int = DEFAULT_CORPUS_BYTES) -> Corpus:
-    """Load the default stdlib corpus (``data=None``) or the user's files, split by file.
+    """Load the default stdlib corpus (``data=None``) or the user's text files, split by file.
 
     ``max_bytes`` caps only the default corpus; user data is loaded in full.
     """
@@ -201,48 +244,8 @@ def load_corpus(data: str | None = None, max_bytes: int = DEFAULT_CORPUS_BYTES) 
     else:
         root, paths = _user_files(data)
         source = data
-    docs, skipped = [], {}
-    for path in paths:
-        content = _read_text_file(path)
-        name = path.relative_to(root).as_posix()
-        if isinstance(content, str):
-            skipped.setdefault(content, []).append(name)
-        else:
-            docs.append(Document(name, content))
-    if not docs:
-        raise _none_usable(source, skipped)
-    train, val = _split_by_file(docs)
+    train, val = _split_by_file(_text_files(root, paths, source))
     return Corpus(train=train, val=val, source=source)
-
-
-class _Packed:
-    """All documents concatenated into one byte array plus per-document offsets."""
-
-    def __init__(self, docs: Sequence[Document]) -> None:
-        lengths = np.array([len(d.data) for d in docs], dtype=np.int64)
-        self.offsets = np.concatenate(([0], np.cumsum(lengths)))
-        self.buffer = np.frombuffer(b"".join(d.data for d in docs), dtype=np.uint8)
-
-    def chunks(self, seq_len: int, rng: np.random.Generator | None, full_frac: float) -> np.ndarray:
-        """Cut every document into ``(start, length)`` spans of 2..seq_len+1 bytes.
-
-        Consecutive spans overlap by one byte so every next-byte transition inside a document
-        is a target exactly once. Without ``rng`` spans are full length (validation).
-        """
-        spans = []
-        for doc in range(len(self.offsets) - 1):
-            pos, end = int(self.offsets[doc]), int(self.offsets[doc + 1])
-            while end - pos >= 2:
-                length = seq_len + 1
-                if rng is not None and rng.random() >= full_frac:
-                    length = int(rng.integers(2, seq_len + 2))
-                length = min(length, end - pos)
-                spans.append((pos, length))
-                pos += length - 1
-        return np.array(spans, dtype=np.int64).reshape(-1, 2)
-
-    def batch(self, spans: np.ndarray) -> Batch:
-        return collate([self.buffer[s : s + n] for s, n in spans.tolist()])
 
 
 def collate(chunks: Sequence[np.ndarray | bytes]) -> Batch:
@@ -257,137 +260,113 @@ def collate(chunks: Sequence[np.ndarray | bytes]) -> Batch:
     return {"input_ids": input_ids, "labels": labels}
 
 
-class TrainBatches(Iterator[Batch]):
-    """Infinite, seeded stream of training micro-batches; resumable and rank-sharded.
+@dataclass
+class _Read:
+    """What one ``--data`` / ``--val-data`` argument holds, before tokenization."""
 
-    Each epoch re-chunks every document with random lengths and shuffles the chunks, using a
-    generator seeded by ``(seed, epoch)``. Incomplete trailing micro-batches are dropped so
-    every micro-batch has ``micro_batch_size`` rows. ``state_dict()`` is the position of the
-    next micro-batch this rank will yield.
-    """
-
-    def __init__(
-        self,
-        docs: Sequence[Document],
-        seq_len: int,
-        micro_batch_size: int,
-        seed: int = 0,
-        rank: int = 0,
-        world_size: int = 1,
-        full_frac: float = 0.75,
-    ) -> None:
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
-        self.seq_len, self.micro_batch_size, self.seed = seq_len, micro_batch_size, seed
-        self.rank, self.world_size, self.full_frac = rank, world_size, full_frac
-        self._packed = _Packed(docs)
-        self.epoch, self.index = 0, rank
-        self._plan_epoch: int | None = None
-        self._plan = np.empty((0, micro_batch_size, 2), dtype=np.int64)
-        self._epoch_plan(0)  # too little data is an error now, not at the first step
-
-    def _epoch_plan(self, epoch: int) -> np.ndarray:
-        """Micro-batches of epoch ``epoch`` as ``(n, micro_batch_size, 2)`` spans (cached)."""
-        if self._plan_epoch != epoch:
-            rng = np.random.default_rng([self.seed, epoch])
-            spans = self._packed.chunks(self.seq_len, rng, self.full_frac)
-            spans = spans[rng.permutation(len(spans))]
-            n = len(spans) // self.micro_batch_size
-            if n < self.world_size:
-                raise DataError(
-                    f"training data yields {n} micro-batches of {self.micro_batch_size} per "
-                    f"epoch, fewer than world_size={self.world_size}; use more data"
-                )
-            self._plan = spans[: n * self.micro_batch_size].reshape(n, self.micro_batch_size, 2)
-            self._plan_epoch = epoch
-        return self._plan
-
-    def __next__(self) -> Batch:
-        plan = self._epoch_plan(self.epoch)
-        while self.index >= len(plan):  # carry the stride over the epoch boundary
-            self.index -= len(plan)
-            self.epoch += 1
-            plan = self._epoch_plan(self.epoch)
-        batch = self._packed.batch(plan[self.index])
-        self.index += self.world_size
-        return batch
-
-    def state_dict(self) -> dict[str, Any]:
-        """Position of the next micro-batch, plus what must match for it to mean the same."""
-        return {
-            "epoch": self.epoch,
-            "index": self.index,
-            "seed": self.seed,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "seq_len": self.seq_len,
-            "micro_batch_size": self.micro_batch_size,
-            "data_bytes": int(self._packed.offsets[-1]),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume at a saved position, on any rank of any world size.
-
-        Ranks consume micro-batches in lockstep, so any rank's saved ``index`` minus its
-        ``rank`` is the GLOBAL position of the next micro-batch no rank has taken yet
-        (``index`` may run past the epoch's end; ``__next__`` carries it over). This rank
-        continues at that position plus its own rank: a run saved on W ranks resumes on W'
-        without repeating or skipping a micro-batch. Refuses a differently built stream.
-        """
-        for key in ("seed", "seq_len", "micro_batch_size", "data_bytes"):
-            mine = self.state_dict()[key]
-            if state.get(key, mine) != mine:
-                raise ValueError(f"data state mismatch for {key!r}: saved {state[key]}, now {mine}")
-        position = int(state["index"]) - int(state.get("rank", 0))
-        self.epoch, self.index = int(state["epoch"]), position + self.rank
+    source: str
+    docs: list[Document]
+    """Text files (none when the argument names JSONL files)."""
+    records: list[Record]
+    bad: BadRecords
 
 
-def validation_batches(
-    docs: Sequence[Document],
-    seq_len: int,
-    micro_batch_size: int,
-    num_batches: int,
-    rank: int = 0,
-    world_size: int = 1,
-) -> list[Batch]:
-    """A fixed list of validation micro-batches (this rank's stride of them).
+def _read(spec: str | None, flag: str, skip_bad: bool) -> _Read:
+    """Read the text files or JSONL files ``spec`` names (None: the default corpus)."""
+    if spec is None:
+        root, paths = default_corpus_files()
+        return _Read(f"stdlib {root}", _text_files(root, paths, f"stdlib {root}"), [], BadRecords())
+    root, paths = _user_files(spec, flag)
+    jsonl = [p for p in paths if p.name.endswith(JSONL)]
+    if jsonl and len(jsonl) < len(paths):
+        other = next(p for p in paths if not p.name.endswith(JSONL))
+        folder = spec if Path(spec).is_dir() else "DIR"
+        raise DataError(
+            f"{flag} {spec!r} holds both JSONL files ({jsonl[0].relative_to(root)}) and text "
+            f"files ({other.relative_to(root)}): one argument reads one kind; name the kind "
+            f"you mean, e.g. with a glob ('{Path(folder) / '**' / '*.jsonl'}')"
+        )
+    if not jsonl:
+        return _Read(spec, _text_files(root, paths, spec, flag), [], BadRecords())
+    bad, records = BadRecords(), []
+    for path in jsonl:
+        name = path.relative_to(root).as_posix() if len(paths) > 1 else str(path)
+        records += read_jsonl(path, name, flag, skip_bad, bad)
+    if not records:
+        raise DataError(
+            f"{flag} {spec!r}: no usable records"
+            + (f" ({bad.count} bad, e.g. {bad.examples[0]})" if bad.count else "")
+        )
+    return _Read(spec, [], records, bad)
 
-    Spans are full length (documents still end mid-span) and shuffled with a fixed,
-    seed-independent generator, so validation loss is comparable across runs and seeds
-    while covering many files, not just the first few.
-    """
-    packed = _Packed(docs)
-    spans = packed.chunks(seq_len, None, 1.0)
-    spans = spans[np.random.default_rng(0).permutation(len(spans))]
-    groups = [
-        spans[i : i + micro_batch_size]
-        for i in range(0, min(len(spans), num_batches * micro_batch_size), micro_batch_size)
-    ]
-    return [packed.batch(g) for g in groups[rank::world_size]]
+
+def _split(read: _Read, fraction: float) -> tuple[_Read, _Read]:
+    """Hold out ``fraction`` of ``read`` for validation: whole files, or records."""
+    if read.docs:
+        train, val = _split_by_file(read.docs, fraction)
+        return _Read(read.source, train, [], read.bad), _Read(read.source, val, [], BadRecords())
+    is_val = _held_out([r.line for r in read.records], fraction)
+    sides: tuple[list[Record], list[Record]] = ([], [])
+    for record, held in zip(read.records, is_val, strict=True):
+        sides[held].append(record)
+    return _Read(read.source, [], sides[0], read.bad), _Read(
+        read.source, [], sides[1], BadRecords()
+    )
 
 
-@dataclass(frozen=True)
-class TextSource:
-    """The run's data: where its training stream and validation batches come from."""
+def _encode(read: _Read, encoder: Encoder, flag: str, skip_bad: bool) -> Side:
+    """One side's text files or records as tokens (or bytes) in one buffer."""
+    if read.docs:
+        docs = encoder.documents([d.data.decode("utf-8") for d in read.docs])
+        return Side(Sequences(docs, dtype=encoder.dtype), len(read.docs), {}, 0)
+    out = encoder.encode(read.records, flag, skip_bad, read.bad)
+    data = Sequences(out.documents, out.records, dtype=encoder.dtype)
+    return Side(data, 0, out.kinds, out.no_target)
 
-    corpus: Corpus
 
-    def describe(self) -> str:
-        return self.corpus.describe()
+def _check_fits(side: Side, what: str, seq_len: int) -> None:
+    """A side with no row at ``seq_len`` is an error saying why (not an empty stream)."""
+    if len(side.data.spans(seq_len, None, 1.0)):
+        return
+    _, too_long = side.data.fit(seq_len)
+    reasons = []
+    if too_long:
+        reasons.append(
+            f"{plural_records(too_long)} too long: their targets alone need more than --seq-len "
+            f"{seq_len} positions (raise --seq-len)"
+        )
+    if side.no_target:
+        reasons.append(f"{plural_records(side.no_target)} with no token to train on")
+    empty = not side.data.n_documents and not side.data.n_records
+    short = "its text is under 2 tokens: no micro-batches can be made; use more data"
+    why = "; ".join(reasons) or ("no record is left" if empty else short)
+    raise DataError(f"{what}: no sequence to use ({why})")
 
-    def train_batches(
-        self, seq_len: int, rows: int, seed: int, rank: int, world_size: int
-    ) -> TrainBatches:
-        """This rank's resumable stream of training micro-batches of ``rows`` sequences."""
-        return TrainBatches(self.corpus.train, seq_len, rows, seed, rank, world_size)
 
-    def validation_batches(
-        self, seq_len: int, rows: int, num_batches: int, rank: int, world_size: int
-    ) -> list[Batch]:
-        return validation_batches(self.corpus.val, seq_len, rows, num_batches, rank, world_size)
+def _check_template(read: _Read, encoder: Encoder, flag: str) -> None:
+    """Conversations the tokenizer cannot train on: an error at the first one in the files."""
+    chat = next((r for r in read.records if r.kind == "messages"), None)
+    if chat is not None:
+        encoder.check_template(f"{flag} {chat.where}")
 
 
 def load_source(cfg: Any, tokenizer: Any = None) -> TextSource:
-    """The data ``cfg`` names (``--data``), read as bytes for the demo GPT (``tokenizer``
-    None) or tokenized with the HF model's tokenizer."""
-    return TextSource(load_corpus(cfg.data))
+    """The data ``cfg`` names (``--data``, ``--val-data`` or ``--val-fraction`` held out),
+    read as bytes for the demo GPT (``tokenizer`` None) or tokenized with the HF model's
+    tokenizer. Bad input raises :class:`DataError` naming the flag, file and line."""
+    skip, encoder = cfg.skip_bad_records, Encoder(tokenizer)
+    train = _read(cfg.data, "--data", skip)
+    _check_template(train, encoder, "--data")
+    if cfg.val_data is None:
+        train, val = _split(train, cfg.val_fraction)
+    else:
+        val = _read(cfg.val_data, "--val-data", skip)
+        _check_template(val, encoder, "--val-data")
+    val_flag = "--val-data" if cfg.val_data else "--data"
+    sides = _encode(train, encoder, "--data", skip), _encode(val, encoder, val_flag, skip)
+    bad = BadRecords(train.bad.count + val.bad.count, [*train.bad.examples, *val.bad.examples])
+    source = TextSource(*sides, train.source, cfg.val_data, cfg.seq_len, encoder.unit, bad)
+    _check_fits(source.train, f"--data {train.source!r}", cfg.seq_len)
+    held_out = f"the --val-fraction {cfg.val_fraction} of --data {train.source!r} held out"
+    _check_fits(source.val, f"--val-data {val.source!r}" if cfg.val_data else held_out, cfg.seq_len)
+    return source

@@ -176,9 +176,9 @@ def _setup(
     val = val[: parallel.min_over_ranks(len(val))]
     if not val:
         raise DataError(
-            "the validation split gives some rank no batch of "
-            f"{cfg.micro_batch_size} x {cfg.seq_len} bytes; use more data or a smaller "
-            "--micro-batch-size / --seq-len"
+            "the validation data gives some rank no batch of "
+            f"{cfg.micro_batch_size} sequences of --seq-len {cfg.seq_len}; give more (--val-data,"
+            " --val-fraction) or a smaller --micro-batch-size / --seq-len"
         )
     run = _Run(
         cfg,
@@ -197,6 +197,7 @@ def _setup(
         gns=gns,
         tokenizer=tokenizer,
     )
+    _note(run, f"data: {source.describe()}")  # what trains, and every record cut or left out
     if cfg.batch_ramp is not None:
         run.ramp = BatchRamp.from_spec(cfg.batch_ramp, layout.micro_batches, world)
     if info is not None:

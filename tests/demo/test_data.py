@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -187,3 +188,68 @@ def test_refused_files_say_why(tmp_path: Path) -> None:
     (mixed / "ok.txt").write_text("text " * 100)  # one usable file: the others are skipped
     corpus = load_corpus(str(mixed))
     assert [d.name for d in corpus.train + corpus.val] == ["ok.txt", "ok.txt#val"]
+
+
+# ------------------------------------------------------- the stream over records and tokens
+
+
+def record_stream_source(tmp_path: Path) -> Any:
+    """Token records of varied lengths, some cut from the left, plus text documents."""
+    from gradstep_demo.config import TrainConfig
+    from gradstep_demo.data import load_source
+    from tests.support import hf_assets
+
+    records = [
+        {"prompt": "x = " * (i % 7 + 1), "completion": f"{i}" * (i % 5 + 1)} for i in range(30)
+    ]
+    records += [{"text": f"value_{i} = {i}\n" * (i + 3)} for i in range(4)]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    cfg = TrainConfig(data=str(data), val_data=str(data), seq_len=SEQ)
+    return load_source(cfg, hf_assets.load_tokenizer())
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_record_stream_shards_union_equals_single_process(tmp_path: Path, world_size: int) -> None:
+    pytest.importorskip("transformers")
+    src = record_stream_source(tmp_path)
+    single = src.train_batches(SEQ, 3, 5, 0, 1)
+    n = 3 * len(single._epoch_plan(0)) + 1  # crosses epoch boundaries
+    expected = take(single, n * world_size)
+    ranks = [src.train_batches(SEQ, 3, 5, r, world_size) for r in range(world_size)]
+    assert_same([next(ranks[i % world_size]) for i in range(n * world_size)], expected)
+
+
+def test_record_stream_resumes_bitwise_and_refuses_other_data(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    src = record_stream_source(tmp_path)
+    it = src.train_batches(SEQ, 1, 4, 1, 2)  # rows of one, as with --global-batch
+    take(it, 23)
+    state = json.loads(json.dumps(it.state_dict()))
+    expected = take(it, 30)
+    resumed = src.train_batches(SEQ, 1, 4, 1, 2)
+    resumed.load_state_dict(state)
+    assert_same(take(resumed, 30), expected)
+    other = TrainBatches(small_docs(), SEQ, 1, seed=4, rank=1, world_size=2)
+    with pytest.raises(ValueError, match="data state mismatch for 'data_"):
+        other.load_state_dict(state)
+
+
+def test_record_rows_merge_into_exact_global_batches(tmp_path: Path) -> None:
+    """--global-batch: single rows merged into micro-batches keep every row's tokens and
+    targets (right padding, -100 labels) whatever the micro-batch size."""
+    pytest.importorskip("transformers")
+    from gradstep_demo.batching import merge_rows
+
+    src = record_stream_source(tmp_path)
+    rows = take(src.train_batches(SEQ, 1, 0, 0, 1), 7)
+    merged = merge_rows(rows)
+    assert merged["input_ids"].shape[0] == 7
+    for i, row in enumerate(rows):
+        n = row["input_ids"].shape[1]
+        assert torch.equal(merged["input_ids"][i, :n], row["input_ids"][0])
+        assert torch.equal(merged["labels"][i, :n], row["labels"][0])
+        assert (merged["labels"][i, n:] == -100).all()
+    assert sum(int((r["labels"] != -100).sum()) for r in rows) == int(
+        (merged["labels"] != -100).sum()
+    )
