@@ -206,7 +206,9 @@ def _add_export_parser(sub: argparse._SubParsersAction) -> None:
         description="Export a run's checkpoint: the full model and its tokenizer for full "
         "fine-tuning; for LoRA the PEFT adapter folder, or with --merge-lora the merged model.",
     )
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="run folder (or its checkpoints/)")
+    parser.add_argument(
+        "run_dir", metavar="RUN_DIR", help="run folder, its checkpoints/, or one step-N folder"
+    )
     parser.add_argument("--out", metavar="DIR", required=True, help="folder to write")
     parser.add_argument(
         "--step", type=int, metavar="N", help="checkpoint step (default: the newest valid one)"

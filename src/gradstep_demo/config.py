@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import functools
 import math
+import os
 import sys
 import types
 import typing
@@ -82,8 +83,8 @@ class TrainConfig:
     model: str = _f(
         "gpt",
         "gpt (the demo's byte-level GPT, shaped by --n-layer/--n-head/--d-model) or hf:PATH: "
-        "a Hugging Face causal LM built with random init from a local config.json or "
-        "save_pretrained folder (never downloaded; vocab_size >= 256)",
+        "a Hugging Face causal LM from a save_pretrained folder (its weights when present, "
+        "else random init; its tokenizer) or a config.json (random init); never downloaded",
     )
     init: str = _f(
         "pretrained",
@@ -210,7 +211,9 @@ class TrainConfig:
     eval_batches: int = _f(20, "validation micro-batches per evaluation")
     log_every: int = _f(10, "progress refresh / plain log line every N steps")
     tensorboard: bool = _f(False, "also write TensorBoard events to OUT/tensorboard")
-    sample_tokens: int = _f(200, "bytes to generate for the final sample (0: none)")
+    sample_tokens: int = _f(
+        200, "tokens (bytes for the demo GPT) to generate for the final sample (0: none)"
+    )
     save_every: int = _f(0, "checkpoint to OUT/checkpoints every N steps and at the end (0: never)")
     keep_checkpoints: int = _f(3, "how many of the newest checkpoints to keep")
     resume: str | None = _f(
@@ -248,6 +251,7 @@ class TrainConfig:
             self._set("micro_batch_size", AUTO)
         if self.batch_ramp is not None:
             self._set("batch_ramp", "".join(self.batch_ramp.split()).lower())
+        self._absolute_paths()
         auto = set()
         if not self.is_hf:  # an hf: model keeps None: its config.json sets the shape
             for name, value in GPT_SHAPE.items():
@@ -263,6 +267,16 @@ class TrainConfig:
             self._set("min_lr", float(f"{self.lr / 10:.12g}"))
             auto.add("min_lr")
         self._set("_auto", frozenset(auto))
+
+    def _absolute_paths(self) -> None:
+        """The files a run reads, as absolute paths: config.json and the checkpoints then
+        name them whatever the working directory of a later resume or export."""
+        for name in ("data", "val_data", "tokenizer"):
+            value = getattr(self, name)
+            if isinstance(value, str) and value.strip():
+                self._set(name, os.path.abspath(os.path.expanduser(value)))
+        if isinstance(self.model, str) and self.is_hf and self.model[3:].strip():
+            self._set("model", "hf:" + os.path.abspath(os.path.expanduser(self.model[3:])))
 
     @property
     def auto_fields(self) -> frozenset[str]:

@@ -221,8 +221,8 @@ def _rebuild(cfg: TrainConfig, info: CheckpointInfo) -> tuple[nn.Module, Any]:
     except ConfigError as exc:
         raise ConfigError(
             f"cannot rebuild the model of {info.path}: {exc} (the run's --model and "
-            "--tokenizer are read from its checkpoint; a relative path is relative to the "
-            "folder the run was started in)"
+            "--tokenizer are read from its checkpoint; one recorded relative, by an older "
+            "gradstep, is relative to the folder the run was started in)"
         ) from None
     checkpointer = Checkpointer(info.path.parent, rng=False, trainable_only=cfg.lora > 0)
     try:

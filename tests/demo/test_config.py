@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -31,7 +32,19 @@ def test_toml_then_overrides(tmp_path: Path) -> None:
     assert cfg.lr == 1.0 and isinstance(cfg.lr, float)  # int accepted for a float field
     assert cfg.accum_steps == 5  # the override wins
     assert cfg.micro_batch_size == 3  # dashes are accepted
-    assert cfg.clip == "value:0.5" and cfg.data == "x.txt"
+    assert cfg.clip == "value:0.5" and cfg.data == os.path.abspath("x.txt")
+
+
+def test_the_files_a_run_reads_are_recorded_absolute(tmp_path: Path, monkeypatch) -> None:
+    """A resume or an export from another working directory must find the same files."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    cfg = TrainConfig(model="hf:models/m", data="d/*.txt", val_data="v.jsonl", tokenizer="~/t")
+    assert cfg.model == f"hf:{tmp_path}/models/m"
+    assert cfg.data == f"{tmp_path}/d/*.txt" and cfg.val_data == f"{tmp_path}/v.jsonl"
+    assert cfg.tokenizer == f"{tmp_path}/home/t"
+    assert TrainConfig(**cfg.to_dict()) == cfg  # a round trip through config.json is stable
+    assert TrainConfig().data is None and TrainConfig().model == "gpt"
 
 
 def test_train_table_is_accepted(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ hf-client-2.md in each docstring)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -202,7 +203,7 @@ def test_an_older_hf_checkpoint_with_gpt_shape_ints_still_resumes() -> None:
     now = TrainConfig(max_steps=8)  # `--resume --max-steps 8`, no --model: the checkpoint's
     info = _fake_checkpoint(saved)
     merged, notes = run_folder.resumed_settings(now, info, frozenset({"max_steps"}), 1)
-    assert merged.model == "hf:cfg" and merged.max_steps == 8
+    assert merged.model == "hf:" + os.path.abspath("cfg") and merged.max_steps == 8
     assert (merged.n_layer, merged.n_head, merged.d_model) == (None, None, None)
     assert not any("n_layer" in line for line in notes)
     # No horizon saved with its schedule (older checkpoints): the run's max_steps is.
