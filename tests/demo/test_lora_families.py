@@ -17,7 +17,8 @@ pytest.importorskip("peft")
 from gradstep import Stepper  # noqa: E402
 from gradstep_demo.cli import main  # noqa: E402
 from gradstep_demo.config import ConfigError, TrainConfig  # noqa: E402
-from gradstep_demo.hf_model import HFLoss, adapted, add_lora, count_batch  # noqa: E402
+from gradstep_demo.hf_lora import adapted, add_lora  # noqa: E402
+from gradstep_demo.hf_model import HFLoss, count_batch  # noqa: E402
 from tests.support import hf_assets  # noqa: E402
 
 # What the default (no --lora-targets) resolves to: PEFT's table, else all-linear. On
