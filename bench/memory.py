@@ -27,6 +27,7 @@ sampler of the resident memory: predicted vs measured, and whether the budget he
 
     .venv/bin/python bench/memory.py              # everything (~12 min on 2 cores)
     .venv/bin/python bench/memory.py --part held-out   # the held-out table (~7 min)
+    .venv/bin/python bench/memory.py --part hf   # HF models (bench/memory_hf.py, ~20 min)
     .venv/bin/python bench/memory.py --part model --quick 1  # 5 configurations, no extras
     .venv/bin/python bench/memory.py --plot-only 1  # redraw docs/memory.png from the JSON
 Outputs: markdown tables on stdout, bench/out/memory.json, bench/out/memory_held_out.json,
@@ -143,16 +144,17 @@ class BenchConfig(BaseConfig):
         "plot_only": "1: only redraw docs/memory.png from bench/out/memory.json",
         "plan_headroom": "planner budgets: (probe fixed + N items) / (1 - margin), for each N",
         "part": "all; model (the Stepper-level table, probe cost, planner check); held-out "
-        "(gradstep train --micro-batch-size auto on configurations nobody tuned for)",
-        "only": "held-out: run only these, comma-separated first words (e.g. C4,C6)",
+        "(gradstep train --micro-batch-size auto on configurations nobody tuned for); hf "
+        "(the same for Hugging Face models, bench/memory_hf.py; not part of all)",
+        "only": "held-out, hf: run only these, comma-separated first words (e.g. C4,C6)",
         "by_hand": "held-out: 1 also runs each plan's choice given by hand (same budget)",
         "calibrate": "held-out: 1 derives each budget from a plan first (else the stored ones)",
         "sample_ms": "held-out: the RSS sampler's interval",
     }
 
     def check(self) -> None:
-        if self.part not in ("all", "model", "held-out"):
-            raise ValueError(f"--part must be all, model or held-out, got {self.part!r}")
+        if self.part not in ("all", "model", "held-out", "hf"):
+            raise ValueError(f"--part must be all, model, held-out or hf, got {self.part!r}")
 
 
 # ----------------------------------------------------------------------------- in a process
@@ -485,6 +487,12 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     start = time.perf_counter()
     ok = True
+    if bench.part == "hf":
+        from memory_hf import main as hf_main
+
+        hf_args = ["--only", bench.only, "--calibrate", str(bench.calibrate)]
+        hf_args += ["--by-hand", str(bench.by_hand), "--sample-ms", str(bench.sample_ms)]
+        return hf_main(hf_args)
     if bench.part in ("all", "held-out"):
         rows = held_out(bench.only, bool(bench.calibrate), bool(bench.by_hand), bench.sample_ms)
         print_held_out(rows)

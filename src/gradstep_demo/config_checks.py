@@ -208,13 +208,6 @@ def _model(cfg: TrainConfig) -> None:
             f"{', '.join(shaped)} shape the demo GPT only; with --model {cfg.model} the "
             "model's config.json sets its shape: drop these flags"
         )
-    if cfg.auto_micro_batch or cfg.activation_checkpointing:
-        what = (
-            "--micro-batch-size auto plans"
-            if cfg.auto_micro_batch
-            else "--activation-checkpointing wraps the blocks of"
-        )
-        raise ConfigError(f"{what} the demo GPT only; it cannot be used with hf:PATH")
 
 
 def _data(cfg: TrainConfig) -> None:

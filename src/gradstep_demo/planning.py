@@ -1,18 +1,25 @@
-"""``--micro-batch-size auto`` and ``gradstep plan``: the demo model, probed and planned.
+"""``--micro-batch-size auto`` and ``gradstep plan``: the run's model, probed and planned.
 
-The probe builds a throwaway copy of the run's model (same layout, dropout, precision,
-sharding and optimizer), takes a real ``Stepper.step`` of one micro-batch at two or three
-sizes, then at a few more sequence lengths until the kernel caches are full, and reads the
-peak (``gradstep.memory.probe_memory``); the analytic model turns that into a prediction
-for every candidate (micro-batch size x checkpointing). Rank 0's plan is every rank's.
+The probe builds a throwaway copy of the run's model (the demo GPT, or the Hugging Face
+model ``hf:DIR`` as ``hf_model.build_model`` builds it: pretrained weights, LoRA; same
+dropout, precision, sharding and optimizer), takes a real ``Stepper.step`` of one
+micro-batch at two or three sizes, then at a few more sequence lengths until the kernel
+caches are full, and reads the peak (``gradstep.memory.probe_memory``); the analytic model
+(``TransformerShape``, or ``HFShape`` from the model's config) turns that into a prediction
+for every candidate (micro-batch size x checkpointing). An HF model is probed at its
+data's longest row (a micro-batch is padded to its longest row, at most ``--seq-len``) and
+its shape sweep runs the data's other lengths. Rank 0's plan is every rank's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import io
 import math
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -27,17 +34,22 @@ from gradstep.memory import (
     estimate_step_memory,
     format_bytes,
     parse_size,
+    peak_bytes,
     pin_mmap_threshold,
     plan_step,
     probe_memory,
     probe_step_time,
+    reset_peak,
     runtime_bytes,
     step_predictor,
 )
-from gradstep.memory.plan import BudgetTooSmall, budget_text, needed_budget
+from gradstep.memory.hf_config import from_hf_config, lora_targets
+from gradstep.memory.model import Shape
+from gradstep.memory.plan import BudgetTooSmall, budget_text, needed_budget, sweep_widths
+from gradstep.memory.process import available_bytes
 
 from .config import ConfigError, TrainConfig
-from .model import GPT, GPTConfig
+from .model import GPTConfig
 
 __all__ = [
     "Planned",
@@ -64,9 +76,15 @@ SWEEP_SHAPES = 6
 class Planned:
     plan: Plan
     probe: ProbeResult | None
+    build_peak_bytes: int = 0
+    """The peak of building the probe's model (loading pretrained weights): a run's process
+    peaks there when that is above its step (every candidate's prediction includes it)."""
+    width: int = 0
+    """The longest row the probe and the analytic model planned for (HF: the data's)."""
 
     def to_json(self) -> dict:
         out = self.plan.to_json()
+        out["width"] = self.width
         if self.probe is not None:
             out["probe"] = {
                 "fixed_bytes": self.probe.fixed_bytes,
@@ -75,24 +93,64 @@ class Planned:
                 "one_size": self.probe.one_size,
                 "seconds": self.probe.seconds_total,
                 "source": self.probe.source,
+                "build_peak_bytes": self.build_peak_bytes,
             }
         return out
 
 
-def shape_of(cfg: TrainConfig) -> TransformerShape:
+@dataclass
+class _Data:
+    """The run's data as the planner sees it: the longest row and the other lengths."""
+
+    width: int
+    lengths: list[int] = field(default_factory=list)
+    source: Any = None
+    """Held while probing, so that the probe's baseline holds the data as the run will."""
+
+
+def shape_of(cfg: TrainConfig, width: int | None = None) -> Shape:
+    """The analytic model's shape of the run's model for rows of ``width`` (default
+    ``--seq-len``): the demo GPT's, or the HF model's from its config (with LoRA)."""
+    seq_len = width or cfg.seq_len
+    if cfg.is_hf:
+        config = _hf_config(cfg)
+        return from_hf_config(
+            config,
+            seq_len,
+            lora_rank=cfg.lora,
+            lora_targets=lora_targets(config, cfg.lora_targets) if cfg.lora else (),
+            lora_dropout=cfg.lora_dropout,
+        )
     return TransformerShape(
         n_layer=cfg.n_layer,
         d_model=cfg.d_model,
         n_head=cfg.n_head,
         vocab_size=GPTConfig.vocab_size,
-        seq_len=cfg.seq_len,
+        seq_len=seq_len,
     )
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """The probe's own copy of the model says nothing: its notes (weights loaded, LoRA
+    targets, ...) are the run's, said when the run builds it."""
+    with contextlib.redirect_stderr(io.StringIO()):
+        yield
+
+
+def _hf_config(cfg: TrainConfig) -> Any:
+    """The HF config as the run adjusts it (router loss, no KV cache), said nothing about."""
+    from .hf_model import hf_config
+
+    with _quiet():
+        return hf_config(cfg)
 
 
 def estimate_kwargs(cfg: TrainConfig, device: torch.device, world: int) -> dict:
     """What the analytic model needs besides the shape: precision, sharding, optimizer,
-    dropout (on CPU with dropout torch's attention takes the math path: s^2 matrices)."""
-    return {
+    dropout (on CPU with dropout torch's attention takes the math path: s^2 matrices), and
+    for an HF model the dtype of its frozen base (LoRA; ``hf_model.param_dtype``)."""
+    out = {
         "compute_dtype": _COMPUTE[cfg.precision],
         "world_size": world,
         "sharded": cfg.strategy == "fsdp",
@@ -100,6 +158,11 @@ def estimate_kwargs(cfg: TrainConfig, device: torch.device, world: int) -> dict:
         "dropout": cfg.dropout,
         "attention": "math" if cfg.dropout > 0 and device.type == "cpu" else "fused",
     }
+    if cfg.is_hf:
+        from .hf_model import param_dtype
+
+        out.update(dropout=0.0, attention="fused", frozen_dtype=param_dtype(cfg))
+    return out
 
 
 def device_budget(cfg: TrainConfig, device: torch.device) -> int:
@@ -107,15 +170,8 @@ def device_budget(cfg: TrainConfig, device: torch.device) -> int:
     available memory plus what this process already holds)."""
     if cfg.memory_budget is not None:
         return parse_size(cfg.memory_budget)
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_allocated(device))
     try:
-        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
-        status = dict(
-            line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines()
-        )
-        available = int(fields["MemAvailable"].split()[0]) + int(status["VmRSS"].split()[0])
-        return available * 1024
+        return available_bytes(device)
     except (OSError, KeyError, ValueError):
         raise ConfigError(
             "cannot read this machine's free memory: give --memory-budget (e.g. 4GiB)"
@@ -169,15 +225,16 @@ def prepare_process(cfg: TrainConfig, device: torch.device) -> list[str]:
     if cfg.auto_micro_batch:
         return []
     budget = parse_size(cfg.memory_budget)  # type: ignore[arg-type]
-    if cfg.is_hf:
-        return [
-            f"--memory-budget {format_bytes(budget)} is not checked for {cfg.model}: the "
-            "memory model covers the demo GPT only"
-        ]
-    peak = predict_fixed(cfg, device, parallel.world_size())
+    try:
+        peak = predict_fixed(cfg, device, parallel.world_size())
+    except ConfigError:
+        raise
+    except ValueError as exc:  # a model family the memory model does not know
+        return [f"--memory-budget {format_bytes(budget)} is not checked for {cfg.model}: {exc}"]
+    rows = f" of --seq-len {cfg.seq_len}" if cfg.is_hf else ""
     said = (
         f"--micro-batch-size {cfg.micro_batch_size} is predicted to peak at "
-        f"{format_bytes(peak)} per rank (analytic estimate)"
+        f"{format_bytes(peak)} per rank (analytic estimate{rows})"
     )
     usable = budget * (1 - MARGIN)
     if peak <= usable:
@@ -192,17 +249,11 @@ def prepare_process(cfg: TrainConfig, device: torch.device) -> list[str]:
 
 def _probe_model(cfg: TrainConfig, device: torch.device, checkpointing: bool) -> Stepper:
     """A throwaway copy of the run's model, sharding, optimizer kind and precision."""
+    from .hf_model import build_model
     from .train import build_optimizer  # the run's param groups; train imports this module
 
-    model = GPT(
-        GPTConfig(
-            n_layer=cfg.n_layer,
-            n_head=cfg.n_head,
-            d_model=cfg.d_model,
-            max_seq_len=cfg.seq_len,
-            dropout=cfg.dropout,
-        )
-    ).to(device)
+    with _quiet():
+        model = build_model(cfg).to(device)
     if checkpointing:
         checkpoint_blocks(model)
     model = parallel.prepare_model(model, cfg.strategy, cfg.precision)
@@ -214,61 +265,101 @@ def _agree_min(fits: bool) -> bool:
     return bool(parallel.all_reduce_sum(flag).item() == parallel.world_size())
 
 
-def _sweep_widths(seq_len: int, n: int) -> list[int]:
-    """``n`` distinct sequence lengths below ``seq_len``, spread over its range (the data
-    yields any length from 1 to ``seq_len``)."""
-    widths = sorted({max(1, seq_len * (k + 1) // (n + 1)) for k in range(n)} - {seq_len})
-    return widths or [seq_len]
+def _data(cfg: TrainConfig, source: Any = None) -> _Data:
+    """The rows an HF run will train on (its tokenizer and data, loaded here unless
+    ``source`` is given); the demo GPT plans for rows of ``--seq-len``."""
+    if not cfg.is_hf:
+        return _Data(cfg.seq_len)
+    if source is None:
+        from .data import load_source
+        from .hf_model import load_tokenizer
+
+        with _quiet():
+            source = load_source(cfg, load_tokenizer(cfg))
+    lengths = [int(n) for n in source.lengths(cfg.seq_len, cfg.seed)]
+    return _Data(max(lengths, default=cfg.seq_len), lengths, source)
+
+
+def _batch_fn(cfg: TrainConfig, device: torch.device) -> tuple[Callable, Callable, Any]:
+    """(rows, width) -> a micro-batch of random ids; the run's loss and count."""
+    from .train import loss_for
+
+    vocab = _hf_config(cfg).vocab_size if cfg.is_hf else GPTConfig.vocab_size
+    gen = torch.Generator().manual_seed(0)
+
+    def batch(rows: int, width: int) -> dict:
+        ids = torch.randint(0, vocab, (rows, width), generator=gen)
+        return {"input_ids": ids.to(device), "labels": ids.roll(-1, 1).to(device)}
+
+    loss_fn, count = loss_for(cfg, device)
+    return batch, loss_fn, count
 
 
 def _probe(
-    cfg: TrainConfig, device: torch.device, budget: int, per_rank: int, checkpointing: bool
-) -> ProbeResult:
-    held = [_probe_model(cfg, device, checkpointing)]  # dropped before the run builds its own
-    gen = torch.Generator().manual_seed(0)
-    vocab = GPTConfig.vocab_size
+    cfg: TrainConfig, device: torch.device, budget: int, data: _Data, checkpointing: bool
+) -> tuple[ProbeResult, int]:
+    """(the probe, the peak of building its model): steps at ``data.width``, then the
+    shape sweep over the data's other lengths."""
+    reset_peak(device)
+    held = [_probe_model(cfg, device, checkpointing)]  # dropped before the run's own
+    build_peak = peak_bytes(device)
+    batch, loss_fn, count = _batch_fn(cfg, device)
 
     def step(rows: int, width: int) -> None:
-        ids = torch.randint(0, vocab, (rows, width), generator=gen)
-        batch = {"input_ids": ids.to(device), "labels": ids.roll(-1, 1).to(device)}
-        held[0].step([batch], _lm_loss)
+        held[0].step([batch(rows, width)], loss_fn, count=count)
 
-    widths = _sweep_widths(cfg.seq_len, SWEEP_SHAPES)
+    widths = sweep_widths(cfg.seq_len, SWEEP_SHAPES, data.lengths)
     world = parallel.world_size()
+    per_rank = math.ceil(cfg.global_batch / world)  # type: ignore[operator]
     try:
-        return probe_memory(
-            lambda b: step(b, cfg.seq_len),
+        result = probe_memory(
+            lambda b: step(b, data.width),
             sorted({s for s in (1, 2, 4) if s <= per_rank}),
             device=device,
-            budget_bytes=budget,
+            # The plan's own bound: a run that plans itself peaks at least where the probe
+            # did, and that too must leave the margin free.
+            budget_bytes=int(budget * (1 - MARGIN)),
             agree=_agree_min if world > 1 else None,
             shapes=lambda i: step(1, widths[i % len(widths)]),
             max_shapes=len(widths),
         )
     finally:
-        held.clear()
+        _release(held.pop())
         gc.collect()
+    return result, build_peak
 
 
-def _probe_checkpointing(cfg: TrainConfig, device: torch.device, budget: int) -> bool:
+def _release(stepper: Stepper) -> None:
+    """Let the probe's model go. Under DDP the Stepper's communication hook holds its
+    strategy, which holds the model: a cycle through DDP's C++ reducer that Python's
+    collector cannot see, so the probe's model, gradients and optimizer state would stay
+    for the whole run. Cutting the strategy's reference frees them."""
+    strategy = getattr(stepper, "_strategy", None)
+    if strategy is not None and hasattr(strategy, "model"):
+        strategy.model = None
+
+
+def _probe_checkpointing(cfg: TrainConfig, device: torch.device, budget: int, width: int) -> bool:
     """Probe with checkpointing when the analytic model says one item does not fit the
-    budget without it but does with it (the probe keeps the budget too). Refuse at once,
+    budget's usable part without it (the probe keeps the plan's bound too). Refuse at once,
     naming the budget needed, when the process alone already exceeds the budget or even
     the smallest plan is estimated above it (the probe itself would break it). Every rank
     decides the same (the worst rank's numbers count): they then probe together."""
     world = parallel.world_size()
     kwargs = estimate_kwargs(cfg, device, world)
     every = _agree_min if world > 1 else (lambda flag: flag)
+    shape = shape_of(cfg, width)
 
     def est(ckpt: bool) -> int:
         fixed = _fixed_bytes(cfg, device)
         one = estimate_step_memory(
-            shape_of(cfg), 1, activation_checkpointing=ckpt, fixed_bytes=fixed, **kwargs
+            shape, 1, activation_checkpointing=ckpt, fixed_bytes=fixed, **kwargs
         )
         return one.total
 
     in_use, smallest = current_bytes(device), est(True)
-    if not every(in_use <= budget and smallest <= budget):
+    usable = budget * (1 - MARGIN)  # what the probe may use, as the plan
+    if not every(in_use <= usable and smallest <= budget):
         before = "already exceeded before probing" if in_use > budget else "too small"
         raise ConfigError(
             f"memory budget {format_bytes(budget)} is {before}: this process uses "
@@ -277,31 +368,39 @@ def _probe_checkpointing(cfg: TrainConfig, device: torch.device, budget: int) ->
             f"{format_bytes(smallest)} per rank: give --memory-budget "
             f"{budget_text(needed_budget(smallest, MARGIN))} or more"
         )
-    return not every(est(False) <= budget)
+    return not every(est(False) <= usable)
 
 
-def plan_run(cfg: TrainConfig, device: torch.device, probe: bool = True) -> Planned:
-    """Plan ``cfg.global_batch`` for this device (collective under torchrun)."""
+def plan_run(
+    cfg: TrainConfig, device: torch.device, probe: bool = True, source: Any = None
+) -> Planned:
+    """Plan ``cfg.global_batch`` for this device (collective under torchrun). An HF run's
+    data (``source``, else loaded here) gives the rows' lengths."""
     if cfg.global_batch is None:
         raise ConfigError("planning needs --global-batch: the sequences per optimizer step")
     world = parallel.world_size()
     _settle_process(cfg, device)  # before the probe: it measures the settled process
+    data = _data(cfg, source)  # held until planned: the probe's baseline holds it
     budget = device_budget(cfg, device)
     per_rank = math.ceil(cfg.global_batch / world)
     kwargs = estimate_kwargs(cfg, device, world)
-    result, probe_ckpt = None, False
+    result, probe_ckpt, build_peak = None, False, 0
     if probe:
-        probe_ckpt = _probe_checkpointing(cfg, device, budget)
-        result = _probe(cfg, device, budget, per_rank, probe_ckpt)
+        probe_ckpt = _probe_checkpointing(cfg, device, budget, data.width)
+        result, build_peak = _probe(cfg, device, budget, data, probe_ckpt)
     else:
         kwargs["fixed_bytes"] = _fixed_bytes(cfg, device)
-    predict = step_predictor(
-        shape_of(cfg),
+    step_peak = step_predictor(
+        shape_of(cfg, data.width),
         probe=result,
         probe_checkpointing=probe_ckpt,
         per_rank_batch=per_rank,
         **kwargs,
     )
+
+    def predict(mbs: int, checkpointing: bool) -> int:
+        return max(step_peak(mbs, checkpointing), build_peak)
+
     timed = result is not None and not result.one_size
     timer = probe_step_time(result, probe_checkpointing=probe_ckpt) if timed else None
     plan, error = None, None
@@ -315,16 +414,11 @@ def plan_run(cfg: TrainConfig, device: torch.device, probe: bool = True) -> Plan
             margin=MARGIN,
         )
         plan.timed = timed
+        plan.probe_peak_bytes = result.highest_bytes if result is not None else 0
     except BudgetTooSmall as exc:
         error = f"--memory-budget: {exc}"
     # One plan (or one refusal) for every rank: rank 0's, from its probe.
     plan, error = parallel.broadcast_from_rank0((plan, error))
     if error is not None:
         raise ConfigError(error)
-    return Planned(plan, result)
-
-
-def _lm_loss(model: torch.nn.Module, batch: dict) -> object:
-    from gradstep import token_loss
-
-    return token_loss(model(batch["input_ids"]), batch["labels"])
+    return Planned(plan, result, build_peak, data.width)

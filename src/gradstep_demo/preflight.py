@@ -75,13 +75,7 @@ def _check_device(cfg: TrainConfig, device: torch.device) -> None:
 
 
 def _check_plannable(cfg: TrainConfig) -> None:
-    """The planner probes and models the demo GPT: an HF model would be planned as the GPT
-    its shape flags describe, a silently wrong prediction."""
-    if cfg.is_hf:
-        raise ConfigError(
-            f"model {cfg.model!r}: gradstep plan plans the demo GPT only; it cannot be used "
-            "with hf:PATH (choose --micro-batch-size and --accum-steps for it by hand)"
-        )
+    """What the planner needs that a run does not: the global batch it splits."""
     if cfg.global_batch is None:
         raise ConfigError(
             "gradstep plan needs --global-batch (sequences per optimizer step): the planner "

@@ -90,17 +90,17 @@ def test_plan_refuses_what_train_refuses_with_the_same_message_before_probing(
 
 
 @pytest.mark.parametrize("probe", [[], ["--no-probe"]])
-def test_plan_refuses_an_hf_model_as_train_auto_does(tmp_path, capsys, no_probe, probe):
-    """N127: `plan --model hf:` planned the demo GPT its shape flags describe, rc 0."""
-    model = f"hf:{tmp_path}"  # never read: the refusal comes first
+def test_plan_refuses_a_bad_hf_folder_as_train_auto_does(tmp_path, capsys, probe):
+    """N127 was `plan --model hf:` planning the demo GPT; now an HF model is planned, and a
+    folder without a model is refused by both with the same message."""
+    model = f"hf:{tmp_path}"  # no config.json: nothing to plan
     args = ["--model", model, "--global-batch", "8", "--memory-budget", "4GiB"]
     auto = ["--micro-batch-size", "auto", "--out", str(tmp_path / "run")]
     assert main(["train", *args, *auto]) == 2
     trained, _ = error_of(capsys, "train")
     assert main(["plan", *args, *probe]) == 2
     planned, stdout = error_of(capsys, "plan")
-    same = "plans the demo GPT only; it cannot be used with hf:PATH"
-    assert same in trained and same in planned and model in planned and stdout == ""
+    assert "config.json" in trained and planned == trained and stdout == ""
 
 
 @pytest.mark.parametrize(

@@ -94,17 +94,17 @@ def test_devices_this_machine_lacks_are_refused(monkeypatch: pytest.MonkeyPatch)
         check_run(TrainConfig(device="mps"), mps)
 
 
-def test_planning_refuses_what_the_planner_cannot_plan(tmp_path) -> None:
-    """An HF model trains with a fixed micro-batch, but the planner would plan the demo GPT
-    its shape flags describe (N127); and a plan needs the batch it splits."""
+def test_planning_needs_the_batch_it_splits_and_takes_hf_models(tmp_path) -> None:
+    """A plan needs the global batch it splits. An HF model is planned like the demo GPT
+    (issue 21: the probe runs it, the analytic model reads its config), so neither `plan`
+    nor `train --micro-batch-size auto` / `--activation-checkpointing` refuses it."""
     hf = TrainConfig(model=f"hf:{tmp_path}", global_batch=8)
-    check_run(hf, env())  # train: fine
-    with pytest.raises(ConfigError) as exc:
-        check_run(hf, env(), planning=True)
-    # The wording of `train --micro-batch-size auto --model hf:` (config.py).
-    assert "plans the demo GPT only; it cannot be used with hf:PATH" in str(exc.value)
-    with pytest.raises(ConfigError, match="plans the demo GPT only; it cannot be used with hf"):
-        TrainConfig(model=f"hf:{tmp_path}", global_batch=8, micro_batch_size="auto")
+    check_run(hf, env())
+    check_run(hf, env(), planning=True)
+    auto = TrainConfig(model=f"hf:{tmp_path}", global_batch=8, micro_batch_size="auto")
+    check_run(auto, env(), planning=True)
+    TrainConfig(model=f"hf:{tmp_path}", activation_checkpointing=True)
     check_run(TrainConfig(), env())
-    with pytest.raises(ConfigError, match="gradstep plan needs --global-batch"):
-        check_run(TrainConfig(), env(), planning=True)
+    for cfg in (TrainConfig(), TrainConfig(model=f"hf:{tmp_path}")):
+        with pytest.raises(ConfigError, match="gradstep plan needs --global-batch"):
+            check_run(cfg, env(), planning=True)

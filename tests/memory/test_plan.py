@@ -209,3 +209,28 @@ def test_one_size_probe_says_its_per_item_cost_is_an_upper_bound():
     assert one.one_size and "upper bound" in one.describe()
     two = ProbeResult(400 * MiB, 8 * MiB, [(1, 0, 0.5), (2, 0, 0.7)], 1.0, "vmhwm")
     assert not two.one_size and "upper bound" not in two.describe()
+
+
+@pytest.mark.parametrize(
+    "lengths", [[64] * 9, [5, 9, 9, 64, 33, 17], list(range(1, 200)), [3, 200, 7, 120, 7, 45, 90]]
+)
+def test_the_shape_sweep_runs_the_datas_other_lengths_spread_over_them(lengths):
+    from gradstep.memory.plan import sweep_widths
+
+    widths = sweep_widths(256, 6, lengths)
+    assert widths == sorted(set(widths)) and 1 <= len(widths) <= 6
+    shorter = set(lengths) - {max(lengths)}
+    assert set(widths) <= (shorter or {max(lengths)})  # lengths the data yields, none longer
+    if len(shorter) > 6:  # spread: the shortest and the longest of the shorter ones
+        assert widths[0] == min(shorter) and widths[-1] == max(shorter)
+    assert sweep_widths(256, 6) == sorted(set(sweep_widths(256, 6)))  # no data: 1..seq_len
+    assert max(sweep_widths(256, 6)) < 256
+
+
+def test_the_plan_reports_the_probes_own_peak_for_a_run_that_plans_itself():
+    plan = plan_step("1GiB", 8, predict=linear(100, 10))
+    assert plan.process_peak_bytes == plan.predicted_peak_bytes
+    plan.probe_peak_bytes = plan.predicted_peak_bytes + 5 * MiB
+    assert plan.process_peak_bytes == plan.probe_peak_bytes
+    assert plan.to_json()["process_peak_bytes"] == plan.probe_peak_bytes
+    assert "the probe itself peaked at" in plan.table()

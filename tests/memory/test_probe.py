@@ -145,7 +145,8 @@ second = probe_memory(run, (1, 4, 16), device="cpu", budget_bytes=budget)
 print(json.dumps({"source": reset_peak("cpu"), "pinned": pinned, "fit": first.fit,
                   "peaks": [p[1] for p in first.points], "per_item": first.per_item_bytes,
                   "ran": ran, "skipped": second.skipped, "budget": budget,
-                  "max_peak": max(p[1] for p in second.points)}))
+                  "max_peak": max(p[1] for p in second.points),
+                  "highest": second.highest_bytes}))
 """
 
 
@@ -165,6 +166,8 @@ def test_real_cpu_probe_grows_with_b_and_keeps_the_budget():
     assert out["fit"] == "peaks"  # CPU RSS: absolute peaks (see probe._fit_mode)
     assert 16 not in out["ran"] and out["skipped"] == [16]
     assert out["max_peak"] <= out["budget"]
+    # What a process that probes before it trains peaks at: every measured run, warm-ups too.
+    assert out["max_peak"] <= out["highest"] <= out["budget"]
 
 
 def test_time_fit_takes_the_fastest_run_and_stays_non_negative():

@@ -54,8 +54,12 @@ def training_text(max_bytes: int = 400_000) -> list[str]:
     return texts
 
 
-@functools.cache
-def _tokenizer_folder(pad: bool, chat: bool) -> Path:
+def train_tokenizer(
+    texts: list[str], dest: Path, vocab_size: int = VOCAB, *, pad: bool = False, chat: bool = True
+) -> Path:
+    """A byte-level BPE of ``vocab_size`` trained on ``texts``, saved at ``dest`` so that
+    ``AutoTokenizer.from_pretrained(dest)`` loads it: EOS ``<|endoftext|>`` (id 0), the
+    ChatML tokens, a pad token only with ``pad``, the chat template with ``chat``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -63,21 +67,26 @@ def _tokenizer_folder(pad: bool, chat: bool) -> Path:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB,
+        vocab_size=vocab_size,
         special_tokens=SPECIAL,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(training_text(), trainer=trainer)
+    tok.train_from_iterator(texts, trainer=trainer)
     kwargs: dict[str, Any] = {"eos_token": EOS}
     if pad:
         kwargs["pad_token"] = PAD
     if chat:
         kwargs["chat_template"] = CHAT_TEMPLATE
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, **kwargs)
+    fast.save_pretrained(dest)
+    return Path(dest)
+
+
+@functools.cache
+def _tokenizer_folder(pad: bool, chat: bool) -> Path:
     folder = _ROOT / f"tokenizer-pad{int(pad)}-chat{int(chat)}"
-    fast.save_pretrained(folder)
-    return folder
+    return train_tokenizer(training_text(), folder, pad=pad, chat=chat)
 
 
 def tokenizer_dir(dest: Path, *, pad: bool = False, chat: bool = True) -> Path:

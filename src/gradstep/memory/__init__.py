@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from .checkpointing import checkpoint_blocks
+from .hf_config import from_hf_config
+from .hf_shape import HFShape
 from .model import MemoryEstimate, TransformerShape, estimate_step_memory
 from .plan import (
     Candidate,
@@ -28,6 +30,7 @@ from .units import format_bytes, parse_size
 __all__ = [
     "KERNEL_CACHE_CAPACITY",
     "Candidate",
+    "HFShape",
     "MemoryEstimate",
     "Plan",
     "ProbeResult",
@@ -38,6 +41,7 @@ __all__ = [
     "default_step_time",
     "estimate_step_memory",
     "format_bytes",
+    "from_hf_config",
     "parse_size",
     "peak_bytes",
     "pin_mmap_threshold",

@@ -34,6 +34,8 @@ class _Bytes:
     """The residual stream's dtype: that of the (unsharded) parameters, since the
     embedding output starts it and adds promote to it even under autocast."""
     unsharded: int
+    frozen: int = 0
+    """Frozen parameters' dtype (LoRA's base); 0: ``param``'s."""
 
 
 def _attention(shape: TransformerShape, e_c: int, attention: str, rows: int) -> tuple[float, float]:

@@ -27,30 +27,29 @@ input's dtype, and an fp32 ``(tokens, vocab)`` log-softmax for the loss
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
 
 from .activations import ATTENTION, _Bytes, activations, per_token_terms
+from .hf_activations import hf_activations
+from .hf_shape import HFShape
+from .states import (
+    OPTIMIZER_STATES,
+    _fsdp_unsharded,
+    _grads_in_backward,
+    _model_states,
+    _numel,
+)
 
-__all__ = ["MemoryEstimate", "TransformerShape", "estimate_step_memory", "per_token_terms"]
-
-OPTIMIZER_STATES = {
-    "adamw": 2,
-    "adam": 2,
-    "lamb": 2,
-    "lars": 1,
-    "sgd_momentum": 1,
-    "sgd": 0,
-    "none": 0,
-}
-"""Tensors of parameter size the optimizer keeps per parameter (in the parameter's dtype:
-AdamW's and LAMB's exp_avg and exp_avg_sq, the SGD/LARS momentum buffer)."""
-
-_FP32 = 4
-_INT64 = 8
+__all__ = [
+    "HFShape",
+    "MemoryEstimate",
+    "Shape",
+    "TransformerShape",
+    "estimate_step_memory",
+    "per_token_terms",
+]
 
 
 @dataclass(frozen=True)
@@ -105,6 +104,21 @@ class TransformerShape:
     def head_dim(self) -> int:
         return self.d_model // self.n_head
 
+    def all_tensors(self) -> list[tuple[int, ...]]:
+        """Every parameter tensor's shape (a tied head once)."""
+        return self.block_tensors() * self.n_layer + self.other_tensors()
+
+    def trainable_tensors(self) -> list[tuple[int, ...]]:
+        """Every parameter trains (the demo GPT has no frozen part)."""
+        return self.all_tensors()
+
+    def head_and_block_trainable(self) -> list[tuple[int, ...]]:
+        return self.other_tensors() + self.block_tensors()
+
+    @property
+    def trainable_params(self) -> int:
+        return self.params
+
     def block_tensors(self) -> list[tuple[int, ...]]:
         """Parameter shapes of one block (FSDP2 shards each along dim 0)."""
         d, f = self.d_model, self.ffn
@@ -135,6 +149,10 @@ class TransformerShape:
     def params(self) -> int:
         """Unique parameters (a tied head counted once)."""
         return self.n_layer * self.block_params + _numel(self.other_tensors())
+
+
+Shape = TransformerShape | HFShape
+"""What :func:`estimate_step_memory` models: the demo GPT, or a Hugging Face decoder."""
 
 
 @dataclass(frozen=True)
@@ -169,15 +187,6 @@ class MemoryEstimate:
         return asdict(self)
 
 
-def _numel(shapes: Sequence[tuple[int, ...]]) -> int:
-    return sum(math.prod(s) for s in shapes)
-
-
-def _shard_numel(shapes: Sequence[tuple[int, ...]], world: int) -> int:
-    """FSDP2's per-rank storage: dim 0 padded to a multiple of ``world`` and split."""
-    return sum(math.ceil(s[0] / world) * math.prod(s[1:]) for s in shapes)
-
-
 def _size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
@@ -191,81 +200,8 @@ def _check_args(optimizer: str, micro_batch_size: int, world_size: int) -> None:
         )
 
 
-def _grads_in_backward(
-    shape: TransformerShape,
-    b: _Bytes,
-    *,
-    sharded: bool,
-    world: int,
-    accum_steps: int | None,
-    sync_each_micro_batch: bool,
-    checkpointing: bool,
-    buffered: bool,
-) -> int:
-    """Gradient bytes alive at the backward peak.
-
-    The Stepper zeroes gradients to None at the start of a step, so the first micro-batch's
-    loss backward (the peak without checkpointing) runs before any gradient exists, and a
-    recomputed top block (the peak with it) after the head's and that block's. Later
-    micro-batches run with every gradient of the step alive. Accumulation buffers take each
-    gradient as it appears and free it, leaving at most the largest tensor's. FSDP2 without
-    per-micro-batch sync keeps *unsharded* gradients (its reduce dtype, float32 with the
-    bf16 policy) until the last micro-batch reduce-scatters them.
-    """
-    first_only = accum_steps == 1
-    all_shapes = shape.block_tensors() * shape.n_layer + shape.other_tensors()
-    if buffered:
-        return max(math.prod(s) for s in all_shapes) * b.param
-    if sharded and not first_only and not sync_each_micro_batch:
-        return shape.params * (_FP32 if b.unsharded != b.param else b.param)
-    count = _shard_numel if sharded else lambda shapes, _w: _numel(shapes)
-    if not first_only:
-        return count(all_shapes, world) * b.param
-    if not checkpointing:
-        return 0
-    return count(shape.other_tensors() + shape.block_tensors(), world) * b.param
-
-
-def _fsdp_unsharded(shape: TransformerShape, b: _Bytes, reduces: bool) -> int:
-    """All-gathered parameters alive at once under FSDP2 (and reduce-scatter buffers).
-
-    The root group (embedding, final norm, head) stays unsharded from forward to backward
-    (FSDP2 does not reshard the root after forward); blocks are resharded after their
-    forward, but the next block's all-gather is issued before the current one is freed, so
-    two blocks are unsharded at once. A micro-batch that reduce-scatters also holds one
-    block's unsharded gradient and the flat copy it reduce-scatters from.
-    """
-    root = _numel(shape.other_tensors())
-    grads = 2 * shape.block_params * _FP32 if reduces else 0
-    return (root + 2 * shape.block_params) * b.unsharded + grads
-
-
-def _model_states(
-    shape: TransformerShape, b: _Bytes, world: int, optimizer: str, foreach: bool
-) -> tuple[int, int, int, int]:
-    """(params, grads, optimizer state, optimizer-step temporaries) on this device.
-
-    ``world`` > 1: FSDP2 shards, per tensor, dim 0 padded to a multiple of ``world``.
-    Temporaries: AdamW with foreach makes one parameter-sized temporary for the whole list,
-    its loop two of the largest tensor (sqrt(v) and its quotient by the bias correction) at
-    a time; LAMB holds every parameter's update at once (the trust ratios need all norms
-    first) plus those two; LARS one weight-decayed gradient at a time.
-    """
-    all_shapes = shape.block_tensors() * shape.n_layer + shape.other_tensors()
-    local = _shard_numel(all_shapes, world) if world > 1 else shape.params
-    largest = max(math.prod(s) for s in all_shapes)
-    step_tmp = {
-        "adamw": local if foreach else 2 * largest,
-        "adam": local if foreach else 2 * largest,
-        "lamb": local + 2 * largest,
-        "lars": largest,
-    }.get(optimizer, 0)
-    opt = OPTIMIZER_STATES[optimizer] * local
-    return local * b.param, local * b.param, opt * b.param, step_tmp * b.param
-
-
 def estimate_step_memory(
-    shape: TransformerShape,
+    shape: Shape,
     micro_batch_size: int,
     *,
     param_dtype: torch.dtype = torch.float32,
@@ -281,6 +217,7 @@ def estimate_step_memory(
     foreach: bool = False,
     dropout: float = 0.0,
     attention: str = "fused",
+    frozen_dtype: torch.dtype | None = None,
 ) -> MemoryEstimate:
     """Predicted bytes per device of one ``Stepper.step`` with micro-batches of
     ``micro_batch_size`` sequences of ``shape.seq_len`` tokens.
@@ -298,24 +235,35 @@ def estimate_step_memory(
     ``dropout``: the model's dropout probability (masks are kept when it is > 0);
     ``attention``: ``"fused"`` or ``"math"`` (what torch runs on CPU with attention
     dropout: s^2 matrices per head), see :data:`gradstep.memory.activations.ATTENTION`.
+    Both are the demo GPT's: an :class:`HFShape` carries its own dropout.
+
+    ``shape`` is a :class:`TransformerShape` (the demo GPT) or an :class:`HFShape` (a Hugging
+    Face decoder, :func:`gradstep.memory.hf_config.from_hf_config`). ``param_dtype`` is the
+    dtype of the trainable parameters; ``frozen_dtype`` that of frozen ones (LoRA's base; None:
+    ``param_dtype``), which is then also the dtype the forward's activations start in.
     """
     _check_args(optimizer, micro_batch_size, world_size)
     if attention not in ATTENTION:
         raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
     e_p = _size(param_dtype)
-    e_c = _size(compute_dtype) if compute_dtype is not None else e_p
-    e_u = e_c if sharded else e_p
-    sizes = _Bytes(param=e_p, compute=e_c, residual=e_u, unsharded=e_u)
+    e_f = _size(frozen_dtype) if frozen_dtype is not None else e_p
+    e_base = e_f if shape.trainable_params < shape.params else e_p
+    e_c = _size(compute_dtype) if compute_dtype is not None else e_base
+    e_u = e_c if sharded else e_base
+    sizes = _Bytes(param=e_p, compute=e_c, residual=e_u, unsharded=e_u, frozen=e_f)
     shards = sharded and world_size > 1
     if accum_dtype is None and param_dtype in (torch.float16, torch.bfloat16) and not sharded:
         accum_dtype = torch.float32
     buffered = accum_dtype is not None and accum_dtype != param_dtype and not sharded
     states = _model_states(shape, sizes, world_size if shards else 1, optimizer, foreach)
     params, grads, opt, step_tmp = states
-    accum = shape.params * _size(accum_dtype) if buffered and accum_dtype else 0
-    acts, per_item = activations(
-        shape, sizes, micro_batch_size, activation_checkpointing, dropout > 0, attention
-    )
+    accum = shape.trainable_params * _size(accum_dtype) if buffered and accum_dtype else 0
+    if isinstance(shape, HFShape):
+        acts, per_item = hf_activations(shape, sizes, micro_batch_size, activation_checkpointing)
+    else:
+        acts, per_item = activations(
+            shape, sizes, micro_batch_size, activation_checkpointing, dropout > 0, attention
+        )
     g_bwd = _grads_in_backward(
         shape,
         sizes,
@@ -328,11 +276,15 @@ def estimate_step_memory(
     )
     reduces = accum_steps == 1 or sync_each_micro_batch
     unsharded = _fsdp_unsharded(shape, sizes, reduces) if shards else 0
-    copies = 0
-    if e_c != e_u:
-        # Without checkpointing every block's cast weights are saved; with it only the
-        # head's and the recomputed block's exist at once.
-        copies = shape.matmul_numel(1 if activation_checkpointing else None) * e_c
+    # Without checkpointing every block's cast weights are saved; with it only the head's
+    # and the recomputed block's exist at once. LoRA's adapters may be float32 over a bf16
+    # base: each part is cast when its dtype is not the compute dtype.
+    blocks = 1 if activation_checkpointing else None
+    lora = isinstance(shape, HFShape) and shape.lora
+    copies = shape.matmul_numel(blocks, "base") * e_c if lora and e_c != e_u else 0
+    copies += shape.matmul_numel(blocks, "adapters") * e_c if lora and e_c != e_p else 0
+    if not lora and e_c != e_u:
+        copies = shape.matmul_numel(blocks) * e_c
     backward = params + g_bwd + accum + opt + unsharded + copies + acts
     step = params + grads + accum + opt + step_tmp
     return MemoryEstimate(

@@ -29,6 +29,7 @@ __all__ = [
     "plan_step",
     "probe_step_time",
     "step_predictor",
+    "sweep_widths",
 ]
 
 CHECKPOINT_FACTOR = 4 / 3
@@ -87,11 +88,21 @@ class Plan:
     timed: bool = True
     """False when the step times are not measured (a one-size probe, or none): the speed
     column then only reflects the default step-time model, and the table leaves it out."""
+    probe_peak_bytes: int = 0
+    """The highest peak the probe reached in this process (0: no probe). A run that plans
+    itself (``--micro-batch-size auto``) probes first, so its process peaks at
+    :attr:`process_peak_bytes`; a run given the choice by hand at the prediction."""
+
+    @property
+    def process_peak_bytes(self) -> int:
+        """The peak of a process that probes, then trains at this plan."""
+        return max(self.predicted_peak_bytes, self.probe_peak_bytes)
 
     def to_json(self) -> dict:
         """Plain JSON types; ``candidates`` as dicts."""
         out = asdict(self)
         out["candidates"] = [c.to_json() for c in self.candidates]
+        out["process_peak_bytes"] = self.process_peak_bytes
         return out
 
     def _row(self, c: Candidate) -> tuple[str, ...]:
@@ -138,6 +149,11 @@ class Plan:
             f"{'on' if self.activation_checkpointing else 'off'}, predicted peak "
             f"{format_bytes(self.predicted_peak_bytes)}"
         )
+        if self.probe_peak_bytes > self.predicted_peak_bytes:
+            lines.append(
+                f"the probe itself peaked at {format_bytes(self.probe_peak_bytes)}: a run that "
+                "plans itself (--micro-batch-size auto) peaks there"
+            )
         return "\n".join(lines)
 
 
@@ -222,6 +238,20 @@ def _shape_bytes(probe: ProbeResult, mbs: int, per_rank_batch: int | None) -> in
     if probe.shapes_run:
         return probe.shape_bytes
     return probe.per_shape_bytes if per_rank_batch and per_rank_batch % mbs else 0
+
+
+def sweep_widths(seq_len: int, n: int, lengths: Sequence[int] | None = None) -> list[int]:
+    """``n`` distinct row lengths below the longest for a probe's shape sweep, spread over
+    what the data yields: ``lengths`` (the rows of one epoch), else any length from 1 to
+    ``seq_len``."""
+    if lengths:
+        longest = max(lengths)
+        shorter = sorted(set(lengths) - {longest})
+        if len(shorter) <= n:
+            return shorter or [longest]
+        return sorted({shorter[(len(shorter) - 1) * k // (n - 1)] for k in range(n)})
+    widths = sorted({max(1, seq_len * (k + 1) // (n + 1)) for k in range(n)} - {seq_len})
+    return widths or [seq_len]
 
 
 def needed_budget(peak_bytes: float, margin: float) -> int:

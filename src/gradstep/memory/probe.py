@@ -100,6 +100,9 @@ class ProbeResult:
     """False when the last shapes of the sweep still grew the process: the caches are not
     bounded (see :func:`bound_kernel_caches`) and ``shape_bytes`` covers only
     ``shapes_run`` shapes."""
+    highest_bytes: int = 0
+    """The highest peak the probe itself reached (warm-ups, sizes, shape sweep): a process
+    that probes before it trains (``--micro-batch-size auto``) peaks at least there."""
 
     @property
     def one_size(self) -> bool:
@@ -333,6 +336,8 @@ def probe_memory(
             shapes, max_shapes, dev, ran.points[0], ran.befores[0], budget_bytes, agree
         )
         shape_bytes = _shape_bytes(final, ran.befores, per_shape)
+    # The high-water mark was last reset before the last size: it now also covers the sweep.
+    highest = max([peak for _, peak, _ in [*ran.warmups, *ran.points]] + [peak_bytes(dev)])
     total = time.perf_counter() - start
     t_fixed, t_item = _fit_seconds(ran.points, ran.warmups if mode == "each" else [])
     return ProbeResult(
@@ -352,4 +357,5 @@ def probe_memory(
         shape_bytes=shape_bytes,
         shapes_run=shapes_run,
         shapes_settled=settled,
+        highest_bytes=highest,
     )

@@ -21,6 +21,7 @@ import torch
 
 __all__ = [
     "CPU_DYNAMO_IMPORT_BYTES",
+    "available_bytes",
     "CPU_KERNEL_RUNTIME_BYTES",
     "KERNEL_CACHE_CAPACITY",
     "bound_kernel_caches",
@@ -173,3 +174,18 @@ def pin_mmap_threshold(threshold_bytes: int = 128 * 1024) -> bool:
     except (OSError, AttributeError):
         return False
     return bool(mallopt(_M_MMAP_THRESHOLD, int(threshold_bytes)))
+
+
+def available_bytes(device: torch.device | str | None = None) -> int:
+    """What this device could hold for this process: CUDA's free memory plus what the process
+    holds; on CPU (Linux) ``MemAvailable`` plus this process's resident set. Raises OSError,
+    KeyError or ValueError where it cannot be read."""
+    dev = _device(device)
+    if _is_cuda(dev):
+        return int(torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_allocated(dev))
+    with open("/proc/meminfo") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    rss = _status_bytes("VmRSS:")
+    if rss is None:
+        raise KeyError("VmRSS")
+    return int(fields["MemAvailable"].split()[0]) * 1024 + rss
