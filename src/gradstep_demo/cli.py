@@ -53,9 +53,10 @@ def _add_train_parser(sub: argparse._SubParsersAction) -> None:
         "train",
         help="train the demo GPT or a Hugging Face causal LM with the exact "
         "accumulate-and-clip step",
-        description="Train the demo's small byte-level GPT, or a Hugging Face causal LM built "
-        "from a local config (--model hf:PATH), on byte-level text with the exact "
-        "accumulate-and-clip step. Precedence: defaults < --config < flags.",
+        description="Train the demo's small byte-level GPT on text, or fine-tune a Hugging "
+        "Face causal LM (--model hf:DIR: its weights and tokenizer) on text or JSONL "
+        "(text, prompt/completion, chat messages), with the exact accumulate-and-clip step. "
+        "Precedence: defaults < --config < flags.",
     )
     _add_config_flags(parser)
     parser.set_defaults(handler=_run_train)
@@ -117,11 +118,11 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "plan",
         help="choose micro-batch size, accumulation and checkpointing for a memory budget",
-        description="Probe the demo GPT on this device and print the candidates that split "
+        description="Probe the model train would build (the demo GPT or --model hf:DIR) on "
+        "this device at the data's lengths and print the candidates that split "
         "--global-batch under --memory-budget, and the fastest that fits. Takes every "
-        "`gradstep train` flag and refuses, before probing, what train would refuse (and "
-        "--model hf:PATH, which it cannot plan); under torchrun it plans for the launched "
-        'ranks. With --json, errors are {"error": ...} too.',
+        "`gradstep train` flag and refuses, before probing, what train would refuse; under "
+        'torchrun it plans for the launched ranks. With --json, errors are {"error": ...} too.',
     )
     _add_config_flags(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead")

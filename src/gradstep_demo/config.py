@@ -120,7 +120,7 @@ class TrainConfig:
         "demo GPT: model width (divisible by n_head, even head size for RoPE)",
         default_help="160",
     )
-    dropout: float = _f(0.0, "dropout probability in [0, 1)")
+    dropout: float = _f(0.0, "dropout probability in [0, 1) of the demo GPT (hf: its config)")
     # data
     data: str | None = _f(
         None,

@@ -208,6 +208,12 @@ def _model(cfg: TrainConfig) -> None:
             f"{', '.join(shaped)} shape the demo GPT only; with --model {cfg.model} the "
             "model's config.json sets its shape: drop these flags"
         )
+    if cfg.dropout:
+        raise ConfigError(
+            f"--dropout is the demo GPT's; with --model {cfg.model} the model's config.json "
+            "sets its dropout (e.g. attention_dropout): drop --dropout, or edit the config "
+            "(for adapters: --lora-dropout)"
+        )
 
 
 def _data(cfg: TrainConfig) -> None:

@@ -323,10 +323,15 @@ def merge_settings(
     notes = [f"resume: the checkpoint's settings apply: {', '.join(taken)}"] if taken else []
     horizon = saved["max_steps"] if horizon is None else horizon
     notes += _horizon_notes(merged["max_steps"], horizon, merged["min_lr"])
+    # The schedule keeps its horizon, so --warmup is checked against it, not against where
+    # this resume stops: a run may stop before the checkpoint's warm-up would have ended.
+    stop = merged["max_steps"]
     try:
-        return TrainConfig(**merged), notes
+        resumed = TrainConfig(**{**merged, "max_steps": max(stop, horizon)})
     except ConfigError as exc:
         raise ConfigError(f"{_resume_flag(cfg)}: the resumed settings do not fit: {exc}") from None
+    resumed._set("max_steps", stop)
+    return resumed, notes
 
 
 def _horizon_notes(max_steps: int, horizon: int, min_lr: float) -> list[str]:

@@ -161,4 +161,5 @@ def test_train_help_names_both_models(capsys):
         main(["train", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "train the demo GPT or a Hugging Face causal LM" in text
-    assert "Hugging Face causal LM built from a local config (--model hf:PATH)" in text
+    assert "fine-tune a Hugging Face causal LM (--model hf:DIR: its weights and tokenizer)" in text
+    assert "byte-level text" not in text  # hf: models read their tokenizer's text, and JSONL

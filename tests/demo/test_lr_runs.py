@@ -97,3 +97,25 @@ def test_a_resume_to_more_steps_without_warmup_keeps_the_checkpoints_warmup(data
     assert lrs[:3] == pytest.approx([LR / 3, 2 * LR / 3, LR], rel=1e-15)  # the warm-up
     assert lrs[3:] == [MIN_LR, MIN_LR]  # horizon 3: warm-up ended at the cosine's end
     assert all(math.isfinite(x) and x <= LR for x in lrs)
+
+
+def test_a_resume_may_stop_before_the_checkpoints_warmup_ends(data, tmp_path, capsys):
+    """A run with --max-steps 12 --warmup 10, resumed from step 2 with --max-steps 4: the
+    schedule keeps its horizon (12) and warm-up (10), so stopping at 4 is fine (it was
+    refused: '--warmup must be <= --max-steps (4), got 10', and `--warmup 1` was refused as
+    a change). Steps 3-4 equal the uninterrupted run's, LR included."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    flags = ("--max-steps", "12", "--warmup", "10", "--save-every", "2", "--keep-checkpoints", "9")
+    assert train(data, straight, *flags) == 0
+    capsys.readouterr()
+    step2 = straight / "checkpoints" / "step-000002"
+    assert train(data, resumed, "--resume", str(step2), "--max-steps", "4") == 0
+    err = capsys.readouterr().err
+    assert "stopping at step 4" in err and "keeps the checkpoint's max_steps 12" in err, err
+    keys = ("step", "loss", "grad_norm", "lr")
+    assert [[r[k] for k in keys] for r in rows(resumed)] == [
+        [r[k] for k in keys] for r in rows(straight)[2:4]
+    ]
+    assert [r["lr"] for r in rows(resumed)] == pytest.approx([3 * LR / 10, 4 * LR / 10])
+    config = json.loads((resumed / "config.json").read_text())
+    assert (config["max_steps"], config["warmup"]) == (4, 10)

@@ -172,6 +172,18 @@ def test_gpt_shape_flags_are_refused_with_an_hf_model(tmp_path, capsys) -> None:
     assert [hf.to_dict()[name] for name in GPT_SHAPE] == [None, None, None]
 
 
+def test_dropout_is_refused_with_an_hf_model(tmp_path, capsys) -> None:
+    """--dropout with hf: changed nothing (the model's config sets its dropout) yet was
+    recorded in config.json (outside re-check of N64's neighbours)."""
+    code, err = run(capsys, "train", "--model", f"hf:{tmp_path}", "--dropout", "0.1",
+                    "--out", str(tmp_path / "r"))  # fmt: skip
+    assert code == 2 and "--dropout is the demo GPT's" in err and "config.json" in err, err
+    assert not (tmp_path / "r").exists()
+    code, err = run(capsys, "plan", "--model", f"hf:{tmp_path}", "--dropout", "0.1",
+                    "--global-batch", "8", "--memory-budget", "4GiB")  # fmt: skip
+    assert code == 2 and "--dropout is the demo GPT's" in err, err
+
+
 def test_an_hf_run_records_no_gpt_shape(tmp_path) -> None:
     transformers = pytest.importorskip("transformers")
     hf, out = tmp_path / "llama", tmp_path / "run"

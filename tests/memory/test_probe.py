@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from gradstep.memory import probe, probe_memory
+from gradstep.memory import TransformerShape, probe, probe_memory
+from gradstep.memory.plan import step_predictor
 from gradstep.memory.probe import ProbeResult
 
 
@@ -243,3 +244,24 @@ def test_the_shape_sweep_keeps_the_budget(monkeypatch):
     # Before each shape: in use + a step's 10 MiB + the largest growth seen (or a step's):
     # 100 + 10 + 10, 150 + 10 + 50 = 210 <= 240, then 200 + 10 + 50 = 260 > 240: stop.
     assert ran == [0, 1] and not res.shapes_settled
+    assert not res.shapes_unmeasured  # two shapes measured: their growth is the charge
+
+
+def test_a_sweep_the_budget_stops_at_once_charges_the_shapes_it_could_not_run(monkeypatch):
+    """Outside re-check of memory-2 finding 1 (bf16, micro-batch 1, a tight budget): the
+    budget stopped the sweep before its first shape, the plan charged nothing for the
+    data's other lengths, and the run grew past the prediction (-10%) and the budget. The
+    shapes not run are charged one step's increment, and a plan holds it."""
+    mib = 2**20
+    mem = FakeMemory(monkeypatch, fixed=100 * mib, per_item=10 * mib)
+    ran = []
+    res = probe_memory(
+        mem.run, (1, 2), device="cpu", budget_bytes=115 * mib, shapes=ran.append, max_shapes=4
+    )
+    # b=1 peaks at 110 MiB over 100 in use; a shape could add a step's 10 more: 120 > 115.
+    assert ran == [] and res.shapes_run == 0 and res.shapes_unmeasured
+    assert res.shape_bytes == 10 * mib  # the b=1 peak above the baseline
+    assert "no room in the budget to run the data's other input shapes" in res.describe()
+    shape = TransformerShape(n_layer=1, n_head=2, d_model=16, seq_len=16, vocab_size=256)
+    predict = step_predictor(shape, probe=res, per_rank_batch=1)
+    assert predict(1, False) == res.predict(1) + 10 * mib  # the probe ran this candidate

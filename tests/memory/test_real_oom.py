@@ -14,12 +14,15 @@ per micro-batch; bf16's epsilon is 7.8e-3).
 from __future__ import annotations
 
 import json
+import os
 import resource
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from gradstep.memory.process import _KERNEL_CACHES
 
 CHILD = Path(__file__).with_name("real_oom_child.py")
 TOLERANCE = {"fp32": 1e-5, "bf16": 5e-3}
@@ -31,14 +34,25 @@ TOLERANCE = {"fp32": 1e-5, "bf16": 5e-3}
 )
 @pytest.mark.timeout(180)
 def test_a_real_out_of_memory_splits_the_window_and_keeps_the_update():
-    proc = subprocess.run(
-        [sys.executable, str(CHILD), *TOLERANCE],
-        capture_output=True,
-        text=True,
-        timeout=170,
-        cwd=CHILD.parents[2],
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]  # e.g. an unrecognised RuntimeError
+    # The child starts from this process's environment minus what earlier tests of this
+    # process may have set (gradstep bounds oneDNN's caches through the environment).
+    env = {k: v for k, v in os.environ.items() if k not in _KERNEL_CACHES}
+    for _ in range(3):
+        proc = subprocess.run(
+            [sys.executable, str(CHILD), *TOLERANCE],
+            capture_output=True,
+            text=True,
+            timeout=170,
+            cwd=CHILD.parents[2],
+            env=env,
+        )
+        # Under a hard address-space cap native code (a thread's stack, a C++ allocation
+        # outside torch's allocator) may die by a signal before any Python error exists:
+        # seen in a few whole-suite runs under load, never alone. That is the cap, not gradstep;
+        # a Python-level failure (rc 1: e.g. an unrecognised RuntimeError) is not retried.
+        if proc.returncode >= 0:
+            break
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-3000:])
     outcome = json.loads(proc.stdout.strip().splitlines()[-1])
     for precision, tol in TOLERANCE.items():
         got = outcome[precision]

@@ -232,10 +232,11 @@ def step_predictor(
 def _shape_bytes(probe: ProbeResult, mbs: int, per_rank_batch: int | None) -> int:
     """What input shapes beyond the probe's one keep resident (CPU kernel caches).
 
-    With a shape sweep: its measurement (any number of shapes, the caches bounded).
-    Without: a short last micro-batch is one more shape.
+    With a shape sweep: its measurement (any number of shapes, the caches bounded), or its
+    charge when the budget stopped it before the first shape. Without: a short last
+    micro-batch is one more shape.
     """
-    if probe.shapes_run:
+    if probe.shapes_run or probe.shapes_unmeasured:
         return probe.shape_bytes
     return probe.per_shape_bytes if per_rank_batch and per_rank_batch % mbs else 0
 

@@ -100,6 +100,12 @@ class ProbeResult:
     """False when the last shapes of the sweep still grew the process: the caches are not
     bounded (see :func:`bound_kernel_caches`) and ``shape_bytes`` covers only
     ``shapes_run`` shapes."""
+    shapes_unmeasured: bool = False
+    """The budget left no room to run a single further shape: ``shape_bytes`` is then not
+    measured but charged what the smallest size's step added above the probe's baseline
+    (model state, activations and the first shape's kernels: more than the kernels of other
+    shapes hold), so that a tight budget is refused, with the budget it needs, rather than
+    overrun by caches nobody measured."""
     highest_bytes: int = 0
     """The highest peak the probe itself reached (warm-ups, sizes, shape sweep): a process
     that probes before it trains (``--micro-batch-size auto``) peaks at least there."""
@@ -130,6 +136,11 @@ class ProbeResult:
             )
             if not self.shapes_settled:
                 note += " and still grew (kernel caches not bounded)"
+        if self.shapes_unmeasured:
+            note += (
+                "; no room in the budget to run the data's other input shapes: charged "
+                f"{format_bytes(self.shape_bytes)} (the smallest step above the baseline) for them"
+            )
         return (
             f"probe ({self.source}): fixed {format_bytes(self.fixed_bytes)} + "
             f"{format_bytes(self.per_item_bytes)}/item [{sizes}]{note}; "
@@ -330,12 +341,15 @@ def probe_memory(
     fixed, slope, per_shape = _fit_bytes(
         ran.points, ran.befores, ran.warm_befores, baseline, fit_mode
     )
-    shape_bytes, shapes_run, settled = 0, 0, True
+    shape_bytes, shapes_run, settled, unmeasured = 0, 0, True, False
     if shapes is not None and max_shapes > 0:
         final, shapes_run, settled = _sweep_shapes(
             shapes, max_shapes, dev, ran.points[0], ran.befores[0], budget_bytes, agree
         )
         shape_bytes = _shape_bytes(final, ran.befores, per_shape)
+        unmeasured = shapes_run == 0 and not settled  # the budget stopped the sweep at once
+        if unmeasured:
+            shape_bytes = max(ran.points[0][1] - baseline, 0)
     # The high-water mark was last reset before the last size: it now also covers the sweep.
     highest = max([peak for _, peak, _ in [*ran.warmups, *ran.points]] + [peak_bytes(dev)])
     total = time.perf_counter() - start
@@ -357,5 +371,6 @@ def probe_memory(
         shape_bytes=shape_bytes,
         shapes_run=shapes_run,
         shapes_settled=settled,
+        shapes_unmeasured=unmeasured,
         highest_bytes=highest,
     )
