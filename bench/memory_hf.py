@@ -38,8 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # tests.support.hf_assets: the local tokenizer and configs
 
-from gradstep import memory as gm  # noqa: E402
-from memory_held_out import _ranks_peak, watched  # noqa: E402
+from memory_held_out import _held_line, _ranks_peak, watched  # noqa: E402
 
 MiB = 2**20
 OUT = ROOT / "bench" / "out" / "memory_hf.json"
@@ -243,19 +242,6 @@ def run(case: HFCase, sample_ms: float, auto: dict | None = None) -> dict:
     }
 
 
-def line(r: dict) -> str:
-    if "error" in r:
-        return f"FAILED: {r['error']}"
-    ckpt = " ckpt" if r["activation_checkpointing"] else ""
-    err = r["predicted"] / r["measured"] - 1
-    return (
-        f"{r['micro_batch_size']} x {r['accum_steps']}{ckpt}, budget "
-        f"{gm.format_bytes(r['budget'])}, predicted {gm.format_bytes(r['predicted'])}, measured "
-        f"{gm.format_bytes(r['measured'])} ({err:+.1%}), "
-        f"{'under' if r['measured'] <= r['budget'] else 'OVER'} budget, {r['seconds']:.0f}s"
-    )
-
-
 def table(rows: list[dict]) -> str:
     out = [
         "| config | budget | plan (mbs x accum, ckpt) | predicted | measured (max rank) "
@@ -287,12 +273,12 @@ def held_out_hf(only: str, calibrated: bool, by_hand: bool, sample_ms: float) ->
             case = replace(case, budget_mib=calibrate(case))
             print(f"{case.name}: calibrated budget {case.budget_mib} MiB", file=sys.stderr)
         row = run(case, sample_ms)
-        print(f"{case.name}: {line(row)}", file=sys.stderr)
+        print(f"{case.name}: {_held_line(row)}", file=sys.stderr)
         rows.append(row)
         if by_hand and "error" not in row:
             hand = run(case, sample_ms, auto=row)
             hand["name"] += " (by hand)"
-            print(f"{hand['name']}: {line(hand)}", file=sys.stderr)
+            print(f"{hand['name']}: {_held_line(hand)}", file=sys.stderr)
             rows.append(hand)
     return rows
 
