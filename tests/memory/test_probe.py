@@ -197,7 +197,10 @@ def test_per_shape_growth_is_corrected_only_when_it_does_not_rise_with_the_size(
 def test_bound_kernel_caches_sets_what_the_user_did_not(monkeypatch):
     from gradstep.memory import bound_kernel_caches
 
-    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    # setenv first: a delenv of an absent variable records nothing, so the value the
+    # function sets would stay for the rest of the test process.
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "")
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
     monkeypatch.setenv("LRU_CACHE_CAPACITY", "7")  # the user's choice stands
     assert bound_kernel_caches(32) is True
     import os
