@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -186,17 +187,29 @@ def held_out_run(case: HeldOut, sample_ms: float, auto: dict | None = None) -> d
 
 def held_out(only: str, calibrated: bool, by_hand: bool, sample_ms: float) -> list[dict]:
     """Every held-out case (or those ``only`` names): auto, then by hand; one row each."""
+    return auto_then_by_hand(
+        HELD_OUT, held_out_run, calibrate, only, calibrated, by_hand, sample_ms
+    )
+
+
+def auto_then_by_hand(
+    cases: list, run: Callable, calibrate: Callable, only: str, calibrated: bool,
+    by_hand: bool, sample_ms: float,
+) -> list[dict]:  # fmt: skip
+    """``run(case, sample_ms)`` of every case (or those ``only`` names), then, unless it
+    failed, ``run(case, sample_ms, auto=row)``: the same plan given by hand; one row each.
+    ``calibrated``: each budget re-derived by ``calibrate(case)`` first."""
     wanted = {w.strip() for w in only.split(",") if w.strip()}
-    cases = [c for c in HELD_OUT if not wanted or c.name.split()[0] in wanted]
     rows = []
-    for case in cases:
+    for case in [c for c in cases if not wanted or c.name.split()[0] in wanted]:
         if calibrated:
             case = replace(case, budget_mib=calibrate(case))
-        row = held_out_run(case, sample_ms)
+            print(f"{case.name}: calibrated budget {case.budget_mib} MiB", file=sys.stderr)
+        row = run(case, sample_ms)
         print(f"{case.name}: {_held_line(row)}", file=sys.stderr)
         rows.append(row)
         if by_hand and "error" not in row:
-            hand = held_out_run(case, sample_ms, auto=row)
+            hand = run(case, sample_ms, auto=row)
             hand["name"] += " (by hand)"
             print(f"{hand['name']}: {_held_line(hand)}", file=sys.stderr)
             rows.append(hand)

@@ -32,13 +32,13 @@ import subprocess
 import sys
 import sysconfig
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # tests.support.hf_assets: the local tokenizer and configs
 
-from memory_held_out import _held_line, _ranks_peak, watched  # noqa: E402
+from memory_held_out import _ranks_peak, auto_then_by_hand, watched  # noqa: E402
 
 MiB = 2**20
 OUT = ROOT / "bench" / "out" / "memory_hf.json"
@@ -266,21 +266,7 @@ def table(rows: list[dict]) -> str:
 
 def held_out_hf(only: str, calibrated: bool, by_hand: bool, sample_ms: float) -> list[dict]:
     """Every case (or those ``only`` names): auto, then by hand; one row each."""
-    wanted = {w.strip() for w in only.split(",") if w.strip()}
-    rows = []
-    for case in [c for c in CASES if not wanted or c.name.split()[0] in wanted]:
-        if calibrated:
-            case = replace(case, budget_mib=calibrate(case))
-            print(f"{case.name}: calibrated budget {case.budget_mib} MiB", file=sys.stderr)
-        row = run(case, sample_ms)
-        print(f"{case.name}: {_held_line(row)}", file=sys.stderr)
-        rows.append(row)
-        if by_hand and "error" not in row:
-            hand = run(case, sample_ms, auto=row)
-            hand["name"] += " (by hand)"
-            print(f"{hand['name']}: {_held_line(hand)}", file=sys.stderr)
-            rows.append(hand)
-    return rows
+    return auto_then_by_hand(CASES, run, calibrate, only, calibrated, by_hand, sample_ms)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,12 +7,12 @@ sizes, exit code 2, and nothing written: the run unchanged, no run started in a 
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import pytest
 
 from gradstep_demo.cli import main
+from tests.support.asserts import tree_hash
 from tests.support.batches import text_corpus
 
 TINY = [
@@ -21,15 +21,6 @@ TINY = [
     "--sample-tokens", "0", "--warmup", "1",
 ]  # fmt: skip
 RAMP = ["--batch-ramp", "1:2", "--accum-steps", "4", "--max-steps", "2", "--save-every", "1"]
-
-
-def tree_hash(folder: Path) -> str:
-    """Every file and folder under ``folder``, with its bytes."""
-    digest = hashlib.sha256()
-    for path in sorted(folder.rglob("*")):
-        digest.update(str(path.relative_to(folder)).encode())
-        digest.update(hashlib.sha256(path.read_bytes()).digest() if path.is_file() else b"/")
-    return digest.hexdigest()
 
 
 def _train_ramped_on_two_ranks(rank: int, world: int, data: str, out: str) -> int:

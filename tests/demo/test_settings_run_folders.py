@@ -13,7 +13,6 @@ audit found surviving bugs (issue 20, section 4):
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import json
 import shutil
@@ -22,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from gradstep_demo.cli import main
+from tests.support.asserts import tree_hash
 from tests.support.batches import text_corpus
 
 TINY = [
@@ -40,15 +40,6 @@ MODES = [
     ["--resume", "A", "--overwrite"], ["--resume-or-start", "--overwrite"],
     ["--resume", "A", "--resume-or-start"],
 ]  # fmt: skip
-
-
-def tree_hash(folder: Path) -> str:
-    """Every folder and file under ``folder`` (the lock file too), with its bytes."""
-    digest = hashlib.sha256()
-    for path in sorted(folder.rglob("*")):
-        digest.update(str(path.relative_to(folder)).encode())
-        digest.update(hashlib.sha256(path.read_bytes()).digest() if path.is_file() else b"/")
-    return digest.hexdigest()
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""Comparisons: relative errors in float64, state snapshots, recursive bitwise equality.
+"""Comparisons: relative errors in float64, state snapshots, recursive bitwise equality,
+and a hash of a folder tree (to assert a run folder was left untouched).
 
 ``flat`` / ``rel_err`` take tensors in order (a list, or one tensor); ``flat_named`` /
 ``rel_err_named`` take ``{name: tensor}`` dicts, as the distributed runs return them.
@@ -7,7 +8,9 @@
 from __future__ import annotations
 
 import copy
+import hashlib
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -74,3 +77,12 @@ def assert_bitwise_equal(a: Any, b: Any) -> None:
             assert_bitwise_equal(x, y)
     else:
         assert a == b
+
+
+def tree_hash(folder: Path) -> str:
+    """Every folder and file under ``folder`` (a lock file too), with its bytes."""
+    digest = hashlib.sha256()
+    for path in sorted(folder.rglob("*")):
+        digest.update(str(path.relative_to(folder)).encode())
+        digest.update(hashlib.sha256(path.read_bytes()).digest() if path.is_file() else b"/")
+    return digest.hexdigest()
