@@ -15,7 +15,7 @@ from torch import nn
 
 import gradstep
 from gradstep.errors import MicroBatchTooLarge
-from gradstep.memory.split import split_in_half
+from gradstep.oom import split_in_half
 from tests.support.asserts import rel_err
 from tests.support.batches import make_window, make_windows
 from tests.support.models import TinyLM, tiny_gpt
@@ -313,7 +313,7 @@ def test_evaluation_splits_a_batch_that_runs_out_of_memory():
     ],
 )  # fmt: skip
 def test_out_of_memory_is_recognised_as_the_allocators_report_it(exc, oom):
-    from gradstep.memory.split import is_out_of_memory
+    from gradstep.oom import is_out_of_memory
 
     assert is_out_of_memory(exc) is oom
 

@@ -315,7 +315,7 @@ MUTATIONS = [
     m(
         "N14",
         "OOM on one rank: the others do not split (no agreement)",
-        "gradstep/memory/split.py",
+        "gradstep/oom.py",
         [
             (
                 "            failed = bool(self._sum(flag).item() > 0)",
@@ -391,7 +391,7 @@ MUTATIONS = [
     m(
         "N21",
         "norm in backward: the hooks stay registered when the window raises",
-        "gradstep/norms.py",
+        "gradstep/early_norm.py",
         [
             (
                 "    try:\n        yield\n    finally:\n        for h in handles:\n",
@@ -438,7 +438,7 @@ MUTATIONS = [
         "A4",
         "norm in backward: the FIRST record of a parameter is kept (reentrant checkpointing fires "
         "twice)",
-        "gradstep/norms.py",
+        "gradstep/early_norm.py",
         [
             (
                 "self.parts[self.order[id(param)]] = norm",
@@ -450,7 +450,7 @@ MUTATIONS = [
     m(
         "A5",
         "norm in backward: post-accumulate-grad hooks are never removed after the window",
-        "gradstep/norms.py",
+        "gradstep/early_norm.py",
         [("        for h in handles:\n            h.remove()", "        pass")],
         "tests",
     ),

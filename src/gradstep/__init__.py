@@ -30,7 +30,6 @@ from .parallel import Strategy
 from .policies import (
     AGC,
     AutoClip,
-    ClipContext,
     ClipNorm,
     ClipPolicy,
     ClipResult,
@@ -48,7 +47,6 @@ __all__ = [
     "CheckpointError",
     "CheckpointInfo",
     "Checkpointer",
-    "ClipContext",
     "ClipNorm",
     "ClipPolicy",
     "ClipResult",

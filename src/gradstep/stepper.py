@@ -25,9 +25,10 @@ import torch
 from torch import nn
 
 from ._validate import check_optimizer_covers, check_state_count
+from .early_norm import EarlyNorm
 from .hooks import Hooks
 from .loss import LossSum, check_loss_sum
-from .memory.split import (
+from .oom import (
     MAX_HALVINGS,
     OOMAgreement,
     SplitFn,
@@ -36,7 +37,6 @@ from .memory.split import (
     split_in_half,
     too_large_error,
 )
-from .norms import EarlyNorm
 from .parallel import Strategy, strategy_for
 from .policies import ClipNorm, ClipPolicy, GradientView, as_policies
 from .precision import Precision
@@ -111,15 +111,15 @@ class Stepper:
             it from the model's wrapper.
         on_oom: ``"raise"`` (default), or ``"split"``: on out-of-memory in a micro-batch's
             forward, loss or backward, drop the window's gradients, halve every micro-batch
-            (``split_fn``, default :func:`gradstep.memory.split_in_half`) and run the
+            (``split_fn``, default :func:`gradstep.oom_in_half`) and run the
             window again; later windows start halved. The update is unchanged (the loss
             is normalised by items). Out-of-memory as the allocators report it
-            (:func:`gradstep.memory.split.is_out_of_memory`: CUDA's, the CPU allocator's,
+            (:func:`gradstep.oom.is_out_of_memory`: CUDA's, the CPU allocator's,
             oneDNN's). On several ranks every rank splits together, or, when a rank ran
             out in a one-item micro-batch, every rank raises ``MicroBatchTooLarge``.
         split_fn: cuts one micro-batch in two (None when it holds one item).
         norm_in_backward: take each gradient's norm as soon as it is final in the last
-            micro-batch's backward (:mod:`gradstep.norms`), so that after backward only the
+            micro-batch's backward (:mod:`gradstep.early_norm`), so that after backward only the
             multiply remains; the same norm as the pass after backward, to rounding. Used
             where the strategy supports it (one process, DDP, FSDP2), without fp16 loss
             scaling and without float32 accumulation buffers; else the pass after backward.
@@ -517,8 +517,7 @@ class Stepper:
                 decision.threshold, decision.acted = result.threshold, True
                 decision.skip = result.skip
                 return decision
-            if result.inplace:
-                view.refresh()
+            if result.acted and view.settle():  # edited the tensors: measured again
                 decision.coef *= view.norm / before if before > 0 else 1.0
             elif result.coef != 1.0:
                 view.scale_by(result.coef)

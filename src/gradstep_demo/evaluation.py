@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from gradstep import LossSum, parallel, token_loss
-from gradstep.memory.split import (
+from gradstep.oom import (
     MAX_HALVINGS,
     OOMAgreement,
     SplitFn,

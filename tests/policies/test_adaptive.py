@@ -25,7 +25,7 @@ from gradstep import ClipNorm, LossSum, Stepper
 from gradstep.policies import (
     AGC,
     AutoClip,
-    ClipContext,
+    GradientView,
     SpikeGuard,
     ZClip,
     clip_policies,
@@ -234,21 +234,32 @@ def test_agc_on_bf16_params_clips_the_fp32_accumulation_buffers():
         torch.testing.assert_close(p.grad.double(), expected[name], rtol=2**-8, atol=0)
 
 
-def test_clip_context_named_grads_with_owners():
-    # The path a Stepper that knows each buffer's owner takes (grad_owners given).
+def _view(grads, owners, scale=1.0):
+    return GradientView(
+        grads=grads, scale=scale, norm=1.0, norm_type=2.0, loss=0.0, step=0, params=owners,
+        global_norm=lambda g, p: torch.linalg.vector_norm(torch.cat([t.flatten() for t in g])),
+        grad_owners=owners,
+    )  # fmt: skip
+
+
+def test_gradient_view_named_grads_pairs_buffers_with_their_owners():
+    # Gradients held outside .grad (fp32 accumulation buffers) keep their parameter.
     a, b = nn.Parameter(torch.ones(2, 2)), nn.Parameter(torch.ones(3))
     buffers = [torch.full((2, 2), 2.0), torch.full((3,), 4.0)]  # not a.grad / b.grad
-    ctx = ClipContext(
-        buffers, 0.5, 1.0, 2.0, 0.0, 0, [("a", a), ("b", b)], lambda g, p: torch.zeros(()),
-        grad_owners=[("a", a), ("b", b)],
-    )  # fmt: skip
-    triples = ctx.named_grads()
+    triples = _view(buffers, [("a", a), ("b", b)], scale=0.5).named_grads()
     assert [(n, p) for n, p, _ in triples] == [("a", a), ("b", b)]
     assert triples[0][2] is buffers[0] and torch.equal(buffers[1], torch.full((3,), 2.0))
-    # Without owners, a gradient that is not its parameter's .grad cannot be attributed.
-    bare = ClipContext(buffers, 1.0, 1.0, 2.0, 0.0, 0, [("a", a), ("b", b)], lambda g, p: 0)
-    with pytest.raises(RuntimeError, match="accumulation buffers"):
-        bare.named_grads()
+    with pytest.raises(ValueError, match="grad_owners has 1 entries for 2"):
+        _view(buffers, [("a", a)])
+
+
+def test_gradient_view_measures_again_only_after_lending_its_tensors():
+    g = [torch.tensor([3.0, 4.0])]
+    view = _view(g, [("w", nn.Parameter(torch.zeros(2)))])
+    assert not view.settle() and view.norm == 1.0  # never handed out: no new measure
+    view.grads()[0].mul_(2.0)  # a policy edits in place
+    assert view.settle() and view.norm == pytest.approx(10.0)
+    assert not view.settle()  # measured: clean again
 
 
 # -------------------------------------------------------------------- SpikeGuard

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = [
+    "agree",
     "all_reduce_sum",
     "barrier",
     "broadcast_from_rank0",
@@ -63,6 +64,14 @@ def all_reduce_sum(t: torch.Tensor, group: Any = None) -> torch.Tensor:
     out = t.to(comm_device())
     dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
     return out.to(t.device)
+
+
+def agree(flag: bool, group: Any = None) -> bool:
+    """True on every rank when ``flag`` is true on any rank of ``group`` (one collective and
+    one host read; ``flag`` itself without a process group)."""
+    if not is_initialized() or dist.get_world_size(group) == 1:
+        return bool(flag)
+    return bool(all_reduce_sum(torch.tensor([float(flag)], dtype=torch.float64), group).item() > 0)
 
 
 def min_over_ranks(n: int) -> int:

@@ -54,7 +54,7 @@ class FSDP2Strategy(ProcessGroupStrategy):
         """``record(param, local shard)`` once the reduce-scattered shard of a parameter's
         gradient is in place: FSDP2 runs post-accumulate-grad hooks of the sharded
         parameters right after assigning (or accumulating into) their gradient."""
-        from ..norms import post_accumulate_hooks
+        from ..early_norm import post_accumulate_hooks
 
         return post_accumulate_hooks(params, record, _to_local)
 

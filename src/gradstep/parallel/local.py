@@ -35,7 +35,7 @@ class LocalStrategy:
 
     def final_grads(self, params: Sequence[nn.Parameter], record: Callable) -> Any:
         """``record(param, grad)`` once autograd has accumulated its final gradient."""
-        from ..norms import post_accumulate_hooks
+        from ..early_norm import post_accumulate_hooks
 
         return post_accumulate_hooks(params, record, lambda g: g)
 

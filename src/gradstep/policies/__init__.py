@@ -16,7 +16,7 @@ from typing import Any
 
 from .agc import AGC, find_output_layer
 from .autoclip import AutoClip
-from .base import ClipContext, ClipPolicy, ClipResult, GradientView
+from .base import ClipPolicy, ClipResult, GradientView
 from .fixed import ClipNorm, ClipValue
 from .registry import PolicySpec, policy_classes, register, registered, spec_grammar
 from .spec import clip_policies, parse_clip, spec_help
@@ -28,7 +28,6 @@ register("", SpikeGuard)  # a policy without a spec name: --spike-guard is its o
 __all__ = [
     "AGC",
     "AutoClip",
-    "ClipContext",
     "ClipNorm",
     "ClipPolicy",
     "ClipResult",

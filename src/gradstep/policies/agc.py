@@ -130,7 +130,7 @@ class AGC:
 
     Works on plain, DDP and FSDP2 (dim-0 sharded DTensor) models, and on low-precision
     parameters whose gradients accumulate in fp32 buffers (it clips the buffers, before the
-    single rounding), through ``ClipContext.named_grads``.
+    single rounding), through ``GradientView.named_grads``.
     ``StepStats.policies`` reports ``threshold = clipping`` (a ratio, not a norm).
 
     ``zero_weights``: what to do with a matrix (>= 2 dims) whose weights are ALL zero, such
@@ -182,7 +182,7 @@ class AGC:
         skip_zero = self.zero_weights == "skip"
         self.clipped_units = _clip_unitwise(pairs, self.clipping, self.eps, skip_zero)
         acted = self.clipped_units > 0
-        return ClipResult(threshold=self.clipping, acted=acted, inplace=acted)
+        return ClipResult(threshold=self.clipping, acted=acted)
 
 
 def find_output_layer(model: nn.Module) -> list[str]:

@@ -4,8 +4,8 @@ The Stepper computes the global pre-clip norm of the *normalised* gradient once,
 each policy in order what to do. A policy either returns a coefficient (the Stepper folds
 it into the single multiply that also normalises the gradient, so a plain ``ClipNorm``
 costs no extra pass over the gradients), edits the gradients in place (``ClipValue``,
-AGC: then it sets ``inplace`` and the norm is measured again), or asks to skip the whole
-update (a spike guard). Policies decide; hooks (:mod:`gradstep.hooks`) only observe.
+AGC, through ``view.grads()``: the view then measures its norm again itself), or asks to
+skip the whole update (a spike guard). Policies decide; hooks (:mod:`gradstep.hooks`) only observe.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
-__all__ = ["ClipContext", "ClipPolicy", "ClipResult", "GradientView", "check_norm_type", "scale_to"]
+__all__ = ["ClipPolicy", "ClipResult", "GradientView", "check_norm_type", "scale_to"]
 
 
 @dataclass
@@ -31,8 +31,6 @@ class ClipResult:
     """The threshold the policy used (a norm, or a value for ClipValue)."""
     acted: bool = False
     """True when the policy changed the gradient (or asked to skip)."""
-    inplace: bool = False
-    """True when the policy edited the gradients itself (the norm must be re-measured)."""
     skip: str | None = None
     """A reason to skip the whole update, or None."""
 
@@ -42,11 +40,14 @@ class GradientView:
 
     ``norm`` is the global norm (``norm_type``) of the gradient as it stands. Scaling is
     kept pending and applied to the tensors only when a policy needs them, or once at the
-    end, so normalisation and a coefficient clip share one pass over memory.
+    end, so normalisation and a coefficient clip share one pass over memory. Handing the
+    tensors out (:meth:`grads`, :meth:`named_grads`) marks them as possibly edited, and the
+    next read of ``norm`` through :meth:`settle` measures it again.
     """
 
     def __init__(
         self,
+        *,
         grads: list[torch.Tensor],
         scale: float,
         norm: float,
@@ -55,8 +56,13 @@ class GradientView:
         step: int,
         params: Sequence[tuple[str, nn.Parameter]],
         global_norm: Callable[[Sequence[torch.Tensor], float], torch.Tensor],
-        grad_owners: Sequence[tuple[str, nn.Parameter]] | None = None,
+        grad_owners: Sequence[tuple[str, nn.Parameter]],
     ) -> None:
+        if len(grad_owners) != len(grads):
+            raise ValueError(
+                f"GradientView: grad_owners has {len(grad_owners)} entries for {len(grads)} "
+                "gradients"
+            )
         self._grads = grads
         self._scale = scale
         self.norm = norm
@@ -65,9 +71,10 @@ class GradientView:
         self.step = step
         self.params = params
         self._global_norm = global_norm
-        # (name, param) of each entry of ``grads``, when the caller knows it; needed when
-        # some gradients live outside ``param.grad`` (fp32 accumulation buffers).
-        self._owners = grad_owners
+        # (name, param) of each entry of ``grads``: some gradients live outside
+        # ``param.grad`` (fp32 accumulation buffers of low-precision parameters).
+        self._owners = list(grad_owners)
+        self._lent = False
 
     def scale_by(self, coef: float) -> None:
         """Multiply the gradient by ``coef``: pending (no pass over memory) until needed."""
@@ -85,36 +92,25 @@ class GradientView:
         return self._grads
 
     def grads(self) -> list[torch.Tensor]:
-        """The normalised gradients, safe to edit in place."""
+        """The normalised gradients, safe to edit in place (the norm is then re-measured)."""
         self.materialize()
+        self._lent = True
         return self._grads
 
     def named_grads(self) -> list[tuple[str, nn.Parameter, torch.Tensor]]:
-        """(name, parameter, normalised gradient) triples, for unit-wise policies (AGC).
-
-        The Stepper passes ``grad_owners`` (fp32 accumulation buffers of low-precision
-        parameters included). Without it each gradient must be its parameter's ``.grad``;
-        a gradient held elsewhere cannot be attributed: raise instead of guessing.
-        """
+        """(name, parameter, normalised gradient) triples, for unit-wise policies (AGC);
+        the gradient may be an fp32 accumulation buffer rather than ``param.grad``."""
         grads = self.grads()
-        if self._owners is not None:
-            if len(self._owners) != len(grads):
-                raise RuntimeError(
-                    f"ClipContext: grad_owners has {len(self._owners)} entries for "
-                    f"{len(grads)} gradients"
-                )
-            return [(n, p, g) for (n, p), g in zip(self._owners, grads, strict=True)]
-        triples = [(n, p, p.grad) for n, p in self.params if p.grad is not None]
-        if len(triples) != len(grads) or any(
-            t[2] is not g for t, g in zip(triples, grads, strict=False)
-        ):
-            raise RuntimeError(
-                "this clip policy needs each gradient's parameter, but some gradients are "
-                "held in accumulation buffers (low-precision parameters with accum_dtype); "
-                "keep the parameters in float32 and use precision='bf16'/'fp16' (autocast), "
-                "or pass accum_dtype equal to the parameter dtype"
-            )
-        return triples
+        return [(n, p, g) for (n, p), g in zip(self._owners, grads, strict=True)]
+
+    def settle(self) -> bool:
+        """Re-measure ``norm`` if the tensors were handed out since the last measure (a
+        policy may have edited them); True when it did."""
+        if not self._lent:
+            return False
+        self._lent = False
+        self.refresh()
+        return True
 
     def materialize(self) -> None:
         """Apply the pending scale to the tensors: the step's one multiply."""
@@ -135,12 +131,6 @@ class GradientView:
 
     def _measure(self, norm_type: float) -> float:
         return float(self._global_norm(self._grads, norm_type)) * abs(self._scale)
-
-    apply = materialize  # the name custom policies written before 0.2 call
-
-
-ClipContext = GradientView
-"""The earlier name of :class:`GradientView`, kept for existing custom policies."""
 
 
 @runtime_checkable

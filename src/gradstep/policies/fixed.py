@@ -51,7 +51,7 @@ class ClipValue:
             return ClipResult(threshold=self.value)
         torch._foreach_clamp_min_(grads, -self.value)
         torch._foreach_clamp_max_(grads, self.value)
-        return ClipResult(threshold=self.value, acted=True, inplace=True)
+        return ClipResult(threshold=self.value, acted=True)
 
 
 register(

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import MicroBatchTooLarge
+from .errors import MicroBatchTooLarge
 
 __all__ = [
     "MAX_HALVINGS",
