@@ -14,16 +14,45 @@ with ``final_grads(params, record)``; the others keep the post-hoc pass.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["EarlyNorm", "combine", "post_accumulate_hooks"]
+from .parallel.base import FinalGrads, Strategy, shard_norm
+from .parallel.dtensor import norm32, to_local
+
+__all__ = [
+    "NORM_IN_BACKWARD_BYTES",
+    "EarlyNorm",
+    "combine",
+    "decide",
+    "local_part",
+]
+
+NORM_IN_BACKWARD_BYTES = 32 * 2**20
+"""``norm_in_backward="auto"`` takes the norm in backward when the gradients hold at least
+this much: too much for a cache to keep between backward and a later pass. Calibrated on a
+2-core CPU (BENCHMARKS.md, "Where the norm is taken"); on small models one norm per
+parameter costs more than the single pass it replaces."""
+
+
+def decide(
+    mode: bool | str, params: Sequence[nn.Parameter], strategy: Strategy, precision: Any
+) -> bool:
+    """Whether a Stepper takes the norm in the last backward, decided once: asked for (or
+    ``"auto"`` and big enough), the strategy can say where gradients become final, and
+    the gradients backpropagated are the final ones (no fp16 loss scale to unscale first,
+    no float32 buffers outside ``.grad``)."""
+    if mode not in (True, False, "auto"):
+        raise ValueError(f"norm_in_backward must be True, False or 'auto'; got {mode!r}")
+    if mode == "auto":
+        mode = sum(p.numel() * p.element_size() for p in params) >= NORM_IN_BACKWARD_BYTES
+    plain = precision.scaler is None and precision.accumulator is None
+    return bool(mode) and isinstance(strategy, FinalGrads) and plain
 
 
 def combine(norms: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
@@ -54,17 +83,19 @@ class EarlyNorm:
         self.params = list(params)
         self.order = {id(p): i for i, p in enumerate(self.params)}
         self.parts: dict[int, torch.Tensor] = {}
-        self.armed = False
-        """True once the strategy's hooks were in place for the last backward."""
+
+    @classmethod
+    def start(
+        cls, strategy: FinalGrads, params: Sequence[nn.Parameter], norm_type: float
+    ) -> tuple[EarlyNorm, Any] | None:
+        """An EarlyNorm and the strategy's context that records into it during the last
+        backward; None when the strategy cannot on this model (then the pass after)."""
+        early = cls(norm_type, params)
+        hooks = strategy.final_grads(early.params, early.record)
+        return None if hooks is None else (early, hooks)
 
     def record(self, param: nn.Parameter, grad: torch.Tensor) -> None:
-        # At least float32, as torch's own norm of a half-precision gradient is not.
-        wide = torch.promote_types(grad.dtype, torch.float32)
-        if grad.numel() == 0:  # an empty shard (FSDP2, a parameter smaller than the ranks)
-            norm = torch.zeros((), dtype=wide, device=grad.device)  # the inf-norm raises
-        else:
-            norm = torch.linalg.vector_norm(grad, self.norm_type, dtype=wide)
-        self.parts[self.order[id(param)]] = norm
+        self.parts[self.order[id(param)]] = norm32(grad, self.norm_type)
 
     def local(self, device: torch.device) -> torch.Tensor:
         """The norm over every gradient on this rank: the recorded parts, and the
@@ -72,24 +103,26 @@ class EarlyNorm:
         missing = len(self.parts) < len(self.params)  # usually none: no loop
         for i, p in enumerate(self.params if missing else ()):
             if i not in self.parts and p.grad is not None:
-                grad = p.grad
-                self.record(p, grad.to_local() if hasattr(grad, "to_local") else grad)
+                self.record(p, to_local(p.grad))
         if not self.parts:
             return torch.zeros((), device=device)
         return combine([self.parts[i] for i in sorted(self.parts)], self.norm_type)
 
 
-@contextlib.contextmanager
-def post_accumulate_hooks(
-    params: Sequence[nn.Parameter], record: Callable[[Any, torch.Tensor], None], local: Callable
-) -> Iterator[None]:
-    """``record(param, local(param.grad))`` each time autograd (or FSDP2, for a shard) has
-    finished accumulating a parameter's gradient; nothing stays registered afterwards."""
-    handles = [
-        p.register_post_accumulate_grad_hook(lambda p: record(p, local(p.grad))) for p in params
-    ]
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
+def local_part(
+    strategy: Strategy, grads: Sequence[torch.Tensor], early: EarlyNorm | None, norm_type: float
+) -> tuple[torch.Tensor, bool]:
+    """This rank's part of the window's global gradient norm, and whether its
+    ``norm_type``-th power is still to be summed over the data-parallel ranks (the tally's
+    collective does that). The inf-norm of a sharded gradient needs a max, not a sum: its
+    own collective. A strategy with another layout reduces the norm itself."""
+    layout = strategy.gradient_layout
+    if layout == "other":
+        return strategy.total_norm(grads, norm_type), False
+    device = grads[0].device if grads else torch.device("cpu")
+    local = early.local(device) if early is not None else shard_norm(grads, norm_type)
+    if layout == "replicated":
+        return local, False
+    if math.isinf(norm_type):
+        return strategy.all_reduce_max(local), False  # type: ignore[attr-defined]
+    return local, True

@@ -1,9 +1,11 @@
-"""Halving micro-batches, for recovering from out-of-memory (``Stepper(on_oom="split")``).
+"""Recovering from out-of-memory by halving micro-batches (``Stepper(on_oom="split")``).
 
 Normalisation is by the global item count, so cutting a micro-batch in two changes nothing
 in the update (to float rounding): the split window's step equals the unsplit one's.
-:class:`OOMAgreement` turns an out-of-memory on any rank into one decision every rank takes
-together (the Stepper's windows and :func:`gradstep_demo.evaluation.evaluate` use it).
+:class:`OOMSplitter` is the whole feature as the Stepper sees it: the halvings, the retry,
+the guards around each micro-batch's forward and backward. :class:`OOMAgreement` turns an
+out-of-memory on any rank into one decision every rank takes together (the Stepper's
+windows and the demo's evaluation use it).
 """
 
 from __future__ import annotations
@@ -15,11 +17,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._handles import removing
 from .errors import MicroBatchTooLarge
 
 __all__ = [
     "MAX_HALVINGS",
+    "ON_OOM",
     "OOMAgreement",
+    "OOMSplitter",
     "SplitFn",
     "WindowOOM",
     "batch_size",
@@ -30,6 +35,9 @@ __all__ = [
     "too_large",
     "too_large_error",
 ]
+
+ON_OOM = ("raise", "split")
+"""What ``Stepper(on_oom=...)`` accepts."""
 
 MAX_HALVINGS = 16
 """Halvings after which a window that still runs out of memory is given up (a custom
@@ -193,16 +201,10 @@ class OOMAgreement:
         if failed:
             raise WindowOOM
 
-    @contextlib.contextmanager
-    def before_forwards(self, modules: Sequence[nn.Module]) -> Iterator[None]:
+    def before_forwards(self, modules: Sequence[nn.Module]) -> contextlib.AbstractContextManager:
         """An agreement point before the forward of each of ``modules``."""
         hook = lambda module, args: self.agree(False)  # noqa: E731
-        handles = [m.register_forward_pre_hook(hook, prepend=True) for m in modules]
-        try:
-            yield
-        finally:
-            for h in handles:
-                h.remove()
+        return removing(m.register_forward_pre_hook(hook, prepend=True) for m in modules)
 
     def stuck(self) -> bool:
         """Every rank's verdict (a collective): some rank ran out of memory in a micro-batch
@@ -212,3 +214,61 @@ class OOMAgreement:
             return here
         flag = torch.tensor([float(here)], dtype=torch.float64)
         return bool(self._sum(flag).item() > 0)
+
+
+class OOMSplitter:
+    """``on_oom="split"``: every window starts halved ``halvings`` times; a window that runs
+    out of memory (on any rank) is dropped, halved once more and run again.
+
+    The Stepper asks three things of it: :meth:`prepare` (the window, halved as far as
+    earlier windows needed), :meth:`run` (the retry around one attempt at the step), and
+    :meth:`guard` / :meth:`window` (the agreement points inside the micro-batch loop).
+    """
+
+    def __init__(self, strategy: Any, split_fn: SplitFn | None = None) -> None:
+        self.split_fn = split_fn or split_in_half
+        self.halvings = 0
+        """How many times every micro-batch is halved before it runs (grows on OOM)."""
+        self._strategy = strategy
+        self._agreement = OOMAgreement(strategy.all_reduce_sum, strategy.world_size)
+
+    def prepare(self, micro_batches: Any) -> list[Any]:
+        return halve(list(micro_batches), self.split_fn, self.halvings)
+
+    def run(
+        self,
+        micro_batches: list[Any],
+        attempt: Callable[[list[Any]], Any],
+        drop: Callable[[], None],
+    ) -> Any:
+        """``attempt(micro_batches)``, again on halved micro-batches after out-of-memory
+        (``drop()`` first forgets the failed attempt); its result gets ``oom_splits``."""
+        splits = 0
+        while True:
+            self._agreement.reset()
+            try:
+                stats = attempt(micro_batches)
+                break
+            except WindowOOM:
+                drop()
+                # Raised on every rank together, and decided together: give up when a rank
+                # ran out in a one-item micro-batch (no split can help it); else every rank
+                # halves, so that all windows keep the same length.
+                if self._agreement.stuck() or self.halvings >= MAX_HALVINGS:
+                    raise too_large_error(self.halvings, self._agreement.last_error) from None
+                self.halvings += 1
+                micro_batches = halve(micro_batches, self.split_fn, 1)
+                splits += 1
+        stats.oom_splits = splits
+        return stats
+
+    def guard(self, micro_batch: Any) -> contextlib.AbstractContextManager[None]:
+        """Around one micro-batch's forward, and its backward: see :class:`OOMAgreement`."""
+        return self._agreement.guard(micro_batch)
+
+    def window(self) -> contextlib.AbstractContextManager[None]:
+        """Around the window's micro-batches: on several ranks, an agreement point before
+        every forward that communicates (FSDP2's units, DDP broadcasting buffers)."""
+        if self._strategy.world_size == 1:
+            return contextlib.nullcontext()
+        return self._agreement.before_forwards(self._strategy.communicating_modules())

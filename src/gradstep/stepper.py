@@ -1,8 +1,12 @@
 """The optimizer step built from many micro-batches, exactly as one large batch would give.
 
 ``Stepper._step`` is the whole algorithm, top to bottom: zero grads -> micro-batches
-(forward, loss, backward; gradient sync only on the last) -> unscale -> global norm ->
-normalise -> finite check -> clip policies -> optimizer step -> scheduler step.
+(forward, loss, backward; gradient sync only on the last) -> unscale -> global norm and
+the window's totals (one collective, one host read) -> normalise -> finite check -> clip
+policies -> optimizer step -> scheduler step. The optional features live in their own
+modules: the norm taken in backward (:mod:`.early_norm`), out-of-memory splitting
+(:mod:`.oom`), the window's accounting (:mod:`.window`), the policies' decision
+(:mod:`.policies`).
 
 Normalisation has exactly one owner, one line in ``_step``: losses are backpropagated as
 *sums*, the window's item count (over every micro-batch and every rank) is only known at
@@ -13,82 +17,34 @@ multiply itself is kept pending and done in the same pass as a norm clip.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
+from . import early_norm
 from ._validate import check_optimizer_covers, check_state_count
 from .early_norm import EarlyNorm
 from .hooks import Hooks
-from .loss import LossSum, check_loss_sum
-from .oom import (
-    MAX_HALVINGS,
-    OOMAgreement,
-    SplitFn,
-    WindowOOM,
-    halve,
-    split_in_half,
-    too_large_error,
-)
+from .loss import LossSum
+from .oom import ON_OOM, OOMSplitter, SplitFn
 from .parallel import Strategy, strategy_for
 from .policies import ClipNorm, ClipPolicy, GradientView, as_policies
+from .policies.base import Decision, apply_policies
 from .precision import Precision
-from .tally import CountPlan, Tally, Window, plan_counts
-from .windows import mark_last, windows
+from .stats import StepStats, step_stats
+from .window import Loop, Tally, Window, plan_counts, windows
 
 __all__ = ["LossFn", "StepStats", "Stepper", "windows"]
 
 LossFn = Callable[[nn.Module, Any], LossSum]
 _DEFAULT_CLIP = object()
-ON_OOM = ("raise", "split")
-NORM_IN_BACKWARD_BYTES = 32 * 2**20  # norm_in_backward="auto": gradients at least this big
-
-
-@dataclass
-class StepStats:
-    """What one optimizer step did. ``grad_norm`` is the PRE-clip global norm."""
-
-    loss: float
-    """Window mean loss: sum of per-item losses / item count, over all ranks."""
-    items: int
-    micro_batches: int
-    grad_norm: float
-    """Global norm of the normalised, unscaled gradient before clipping (nan/inf if so)."""
-    clip_coef: float
-    clipped: bool
-    skipped: bool
-    lr: float
-    step: int
-    """Optimizer steps taken so far (skipped steps do not count)."""
-    skip_reason: str | None = None
-    clip_threshold: float | None = None
-    post_clip_norm: float = math.nan
-    loss_scale: float | None = None
-    policies: list[dict] = field(default_factory=list)
-    """Per clip policy: name, threshold used, whether it acted."""
-    oom_splits: int = 0
-    """Halvings of the micro-batches this step needed after out-of-memory (on_oom="split")."""
-    aux: dict[str, float] = field(default_factory=dict)
-    """Each ``LossSum.aux`` term's mean over the window's micro-batches on every rank (not
-    part of ``loss``, the item-weighted mean of the loss sums)."""
-
-
-@dataclass
-class _Decision:
-    """What the clip policies decided, together."""
-
-    coef: float = 1.0
-    threshold: float | None = None
-    acted: bool = False
-    skip: str | None = None
-    detail: list[dict] = field(default_factory=list)
+NORM_IN_BACKWARD_BYTES = early_norm.NORM_IN_BACKWARD_BYTES
 
 
 class Stepper:
@@ -143,30 +99,7 @@ class Stepper:
         split_fn: SplitFn | None = None,
         norm_in_backward: bool | str = "auto",
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
-            )
-        if strategy is not None and not isinstance(strategy, Strategy):
-            raise TypeError(
-                "strategy must be None (detect) or a gradstep.parallel strategy (LocalStrategy, "
-                f"DDPStrategy, FSDP2Strategy, ...), got {type(strategy).__name__}"
-            )
-        if scheduler is not None and not callable(getattr(scheduler, "step", None)):
-            raise TypeError(
-                "scheduler must be None or an LR scheduler with step() (e.g. "
-                f"torch.optim.lr_scheduler.LambdaLR), got {type(scheduler).__name__}"
-            )
-        if on_oom not in ON_OOM:
-            raise ValueError(f"on_oom must be one of {', '.join(ON_OOM)}; got {on_oom!r}")
-        if split_fn is not None and not callable(split_fn):
-            raise TypeError(f"split_fn must be None or a callable, got {type(split_fn).__name__}")
-        self.on_oom = on_oom
-        self.split_fn = split_fn or split_in_half
-        self.oom_halvings = 0
-        """How many times every micro-batch is halved before it runs (grows on OOM)."""
+        _check_args(model, optimizer, scheduler, strategy, on_oom, split_fn)
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -175,20 +108,23 @@ class Stepper:
         self.hooks = Hooks(hooks)
         self._named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self._params = [p for _, p in self._named]
-        if norm_in_backward not in (True, False, "auto"):
-            raise ValueError(
-                f"norm_in_backward must be True, False or 'auto'; got {norm_in_backward!r}"
-            )
-        if norm_in_backward == "auto":
-            grad_bytes = sum(p.numel() * p.element_size() for _, p in self._named)
-            norm_in_backward = grad_bytes >= NORM_IN_BACKWARD_BYTES
-        self.norm_in_backward = bool(norm_in_backward)
         check_optimizer_covers(self._named, optimizer)
         self._strategy = strategy_for(model) if strategy is None else strategy
         self._precision = Precision(
             precision, self._params, accum_dtype, self._strategy.distributed
         )
-        self._oom = OOMAgreement(self._strategy.all_reduce_sum, self._strategy.world_size)
+        self.on_oom = on_oom
+        self._oom = OOMSplitter(self._strategy, split_fn) if on_oom == "split" else None
+        self.norm_in_backward = early_norm.decide(
+            norm_in_backward, self._params, self._strategy, self._precision
+        )
+        # Ranks must agree on the window's length before its first forward when forwards
+        # communicate (FSDP2's all-gathers), or when on_oom="split" meets the other ranks
+        # after every forward and backward: a rank with one micro-batch more would pair
+        # those collectives with the other ranks' reductions and hang.
+        self._agree_first = self._strategy.forward_communicates or (
+            self._oom is not None and self.world_size > 1
+        )
         self.step_count = 0
         self.skipped_steps = 0
         self.clipped_steps = 0
@@ -243,6 +179,16 @@ class Stepper:
         """The float32 accumulation buffers of low-precision parameters, or None."""
         return self._precision.accumulator
 
+    @property
+    def split_fn(self) -> SplitFn | None:
+        """What cuts a micro-batch in two (``on_oom="split"``; None otherwise)."""
+        return self._oom.split_fn if self._oom is not None else None
+
+    @property
+    def oom_halvings(self) -> int:
+        """How many times every micro-batch is halved before it runs (grows on OOM)."""
+        return self._oom.halvings if self._oom is not None else 0
+
     def step(
         self,
         micro_batches: Iterable[Any],
@@ -257,6 +203,23 @@ class Stepper:
         also lets ``loss_fn`` return ``count=None`` (counted up front, not after each
         forward).
         """
+        micro_batches = self._window(micro_batches, count)
+        try:
+            if self._oom is None:
+                stats = self._step(micro_batches, loss_fn, count)
+            else:
+                attempt = lambda mbs: self._step(mbs, loss_fn, count)  # noqa: E731
+                stats = self._oom.run(micro_batches, attempt, self._drop_window)
+        except BaseException:
+            self._drop_window()
+            raise
+        for call in self.hooks.on_step_end:
+            call(self, stats)
+        return stats
+
+    def _window(self, micro_batches: Iterable[Any], count: Callable | None) -> Iterable[Any]:
+        """The window as the step runs it: checked, halved as far as out-of-memory needed,
+        its length agreed by every rank before the first forward where that matters."""
         if count is not None and not callable(count):
             raise TypeError(f"count must be None or a callable, got {type(count).__name__}")
         if not self.model.training:
@@ -273,39 +236,12 @@ class Stepper:
                 f"or a generator; not a tuple or a string), got a {type(micro_batches).__name__}; "
                 "wrap a single batch in a list: stepper.step([batch], loss_fn)"
             )
-        if self.on_oom == "split":
-            micro_batches = halve(list(micro_batches), self.split_fn, self.oom_halvings)
-        split_ranks = self.on_oom == "split" and self.world_size > 1
-        if self._strategy.forward_communicates or split_ranks:
-            # FSDP2's forward all-gathers parameters, and on_oom="split" meets the other
-            # ranks after every forward and backward: a rank with one micro-batch more
-            # would pair those collectives with the other ranks' reductions and hang, so
-            # the window lengths are compared before the first forward (one collective).
+        if self._oom is not None:
+            micro_batches = self._oom.prepare(micro_batches)
+        if self._agree_first and count is None:  # with count=fn, plan_counts agrees
             micro_batches = list(micro_batches)
             self._strategy.check_window(len(micro_batches))
-        splits = 0
-        while True:
-            self._oom.reset()
-            try:
-                stats = self._step(micro_batches, loss_fn, count)
-                break
-            except WindowOOM:
-                self._drop_window()
-                # Raised on every rank together, and decided together: give up when a rank
-                # ran out in a one-item micro-batch (no split can help it); else every rank
-                # halves, so that all windows keep the same length.
-                if self._oom.stuck() or self.oom_halvings >= MAX_HALVINGS:
-                    raise too_large_error(self.oom_halvings, self._oom.last_error) from None
-                self.oom_halvings += 1
-                micro_batches = halve(micro_batches, self.split_fn, 1)
-                splits += 1
-            except BaseException:
-                self._drop_window()
-                raise
-        stats.oom_splits = splits
-        for call in self.hooks.on_step_end:
-            call(self, stats)
-        return stats
+        return micro_batches
 
     def _drop_window(self) -> None:
         """A failed step leaves nothing behind: no gradients (also none held inside the
@@ -323,19 +259,20 @@ class Stepper:
         plan = None
         if count is not None:
             micro_batches = list(micro_batches)
-            plan = plan_counts(micro_batches, count, self._strategy)
-        early = self._early_norm()
-        tally, n = self._accumulate(micro_batches, loss_fn, plan, early)
-        reduced, local_items = tally.reduce(self._strategy, n)
+            plan = plan_counts(micro_batches, count, self._strategy, agree=self._agree_first)
+        tally = Tally(self._strategy, plan)
+        early = None
+        if self.norm_in_backward:  # the strategy's hooks record into it, or None
+            early = EarlyNorm.start(self._strategy, self._params, self._norm_type)  # type: ignore[arg-type]
+        self._loop(loss_fn, early).run(micro_batches, tally)
         self._precision.unscale(self.optimizer)
         named_grads = self._precision.named_grads(self._named)
         grads = [g for _, _, g in named_grads]
-        if early is not None and early.armed:  # measured in the last backward
-            raw_norm = self._strategy.reduce_norm(early.local(reduced.device), self._norm_type)
-        else:
-            raw_norm = self._strategy.total_norm(grads, self._norm_type)
-        window = tally.read(reduced, local_items, raw_norm, n, self.world_size)
-        self._warn_traps(window)
+        recorded = early[0] if early is not None else None
+        norm, summed = early_norm.local_part(self._strategy, grads, recorded, self._norm_type)
+        window = tally.finish(norm, self._norm_type, summed)  # one collective, one host read
+        for key, message in window.traps(self.world_size):
+            self._warn_once(key, message)
         if window.items == 0:
             return self._skip(window, "empty window: 0 items (every label ignored)", math.nan)
         if not grads and not self._strategy.distributed and self._named:
@@ -362,10 +299,41 @@ class Stepper:
         for call in self.hooks.on_norm:
             call(self, view)
         norm = view.norm
-        decision = self._apply_policies(view)
+        decision = apply_policies(self._clip, view)
         if decision.skip is not None:
             return self._skip(window, decision.skip, norm, decision)
         view.materialize()
+        return self._update(window, norm, decision, post_clip_norm=view.norm)
+
+    def _loop(self, loss_fn: LossFn, early: tuple[EarlyNorm, Any] | None) -> Loop:
+        """The micro-batch loop of this window, with only the contexts in use."""
+        strategy, oom, hooks = self._strategy, self._oom, self.hooks
+        loop = Loop(self.model, loss_fn, self._precision, self._mean_over_ranks)
+        loop.sync_each = self.sync_each_micro_batch
+        if strategy.distributed:
+            loop.sync = strategy.sync
+        if oom is not None:
+            loop.guard, loop.around = oom.guard, oom.window()
+        if self._precision.dtype is not None:
+            loop.autocast = self._precision.autocast
+        if hooks.on_param_grad:
+            loop.observe = lambda i: hooks.param_grads(self, self._hook_targets, i)
+        if early is not None:
+            loop.final = early[1]
+        loop.on_end = [partial(call, self) for call in hooks.on_micro_batch_end]
+        return loop
+
+    def _hook_targets(self) -> list[tuple[str, nn.Parameter, torch.Tensor]]:
+        return self._strategy.hook_targets(self._named)
+
+    def _mean_over_ranks(self, count: Any) -> float:
+        local = torch.as_tensor(count, dtype=torch.float64).reshape(1).cpu()
+        return float(self._strategy.all_reduce_sum(local)) / self.world_size
+
+    def _update(
+        self, window: Window, norm: float, decision: Decision, post_clip_norm: float
+    ) -> StepStats:
+        """The optimizer step, the counters, the scheduler step."""
         lr = float(self.optimizer.param_groups[0]["lr"])
         self._precision.step(self.optimizer)
         # Counted before the scheduler runs: if it raises, the parameters have moved and
@@ -382,157 +350,14 @@ class Stepper:
                     "taken: the parameters, optimizer state and step_count include that "
                     f"step, the learning rate was not advanced ({type(exc).__name__}: {exc})"
                 ) from exc
-        return self._stats(window, norm, decision, lr=lr, post_clip_norm=view.norm)
-
-    def _accumulate(
-        self,
-        micro_batches: Iterable[Any],
-        loss_fn: LossFn,
-        plan: CountPlan | None,
-        early: EarlyNorm | None,
-    ) -> tuple[Tally, int]:
-        """Forward and backward every micro-batch; sync gradients only on the last."""
-        tally = Tally(plan)
-        if self._nothing_per_micro_batch():
-            return self._accumulate_lean(micro_batches, loss_fn, tally, early)
-        n = 0
-        split = self.on_oom == "split"
-        guard = self._oom.guard if split else _no_guard
-        agreeing = self._agreement_before_forwards() if split else contextlib.nullcontext()
-        with agreeing, self._precision.accumulating():
-            for n, (is_last, mb) in enumerate(mark_last(micro_batches), start=1):  # noqa: B007
-                with self._strategy.sync(is_last or self.sync_each_micro_batch):
-                    with guard(mb), self._precision.autocast():
-                        loss = check_loss_sum(loss_fn(self.model, mb), count=False)
-                    if loss.count is None and plan is not None:  # counted up front
-                        loss = LossSum(loss.total, plan.counts[n - 1], loss.aux)
-                    backprop = tally.add(loss)  # the loss sum (+ weighted aux terms)
-                    observed = self.hooks.param_grads(self, self._hook_targets, n - 1)
-                    final = self._final_grads(early if is_last else None)
-                    with guard(mb), observed, final:
-                        self._precision.backward(backprop, loss.count, self._mean_over_ranks)
-                for call in self.hooks.on_micro_batch_end:
-                    call(self, n - 1, is_last, loss)
-        if n == 0:
-            raise ValueError("micro_batches is empty: a window needs at least one micro-batch")
-        return tally, n
-
-    def _early_norm(self) -> EarlyNorm | None:
-        """An EarlyNorm when the norm can be taken in the last backward (see __init__)."""
-        if not self.norm_in_backward or not hasattr(self._strategy, "final_grads"):
-            return None
-        if self._precision.scaler is not None or self._precision.accumulator is not None:
-            return None
-        return EarlyNorm(self._norm_type, self._params)
-
-    def _final_grads(self, early: EarlyNorm | None) -> contextlib.AbstractContextManager[None]:
-        """The strategy's hooks that record each final gradient's norm into ``early``."""
-        if early is None:
-            return contextlib.nullcontext()
-        hooks = self._strategy.final_grads(self._params, early.record)  # type: ignore[attr-defined]
-        if hooks is None:  # not possible on this model after all: stop asking
-            self.norm_in_backward = False
-            return contextlib.nullcontext()
-        early.armed = True
-        return hooks
-
-    def _nothing_per_micro_batch(self) -> bool:
-        """One process, no autocast, no OOM guard, no hook inside the window: then no
-        context needs entering per micro-batch."""
-        hooks = self.hooks
-        return not (
-            self._strategy.distributed
-            or self._precision.dtype is not None
-            or self.on_oom == "split"
-            or hooks.on_param_grad  # type: ignore[attr-defined]
-            or hooks.on_micro_batch_end  # type: ignore[attr-defined]
-        )
-
-    def _accumulate_lean(
-        self, micro_batches: Iterable[Any], loss_fn: LossFn, tally: Tally, early: Any
-    ) -> tuple[Tally, int]:
-        """:meth:`_accumulate` when :meth:`_nothing_per_micro_batch`: the same steps without
-        the contexts that would do nothing (each costs microseconds per micro-batch, which
-        is what a small model's step is made of)."""
-        # fp32 here: no loss scale, no pre-scale, so the backward is the plain one.
-        n, model = 0, self.model
-        with self._precision.accumulating():
-            if early is None:
-                for n, mb in enumerate(micro_batches, start=1):  # noqa: B007
-                    tally.add(check_loss_sum(loss_fn(model, mb), count=False)).backward()
-            else:
-                for n, (is_last, mb) in enumerate(mark_last(micro_batches), start=1):  # noqa: B007
-                    backprop = tally.add(check_loss_sum(loss_fn(model, mb), count=False))
-                    with self._final_grads(early) if is_last else contextlib.nullcontext():
-                        backprop.backward()
-        if n == 0:
-            raise ValueError("micro_batches is empty: a window needs at least one micro-batch")
-        return tally, n
-
-    def _agreement_before_forwards(self) -> contextlib.AbstractContextManager[None]:
-        """With on_oom="split" on several ranks: an agreement point before every forward
-        that communicates (FSDP2's units, DDP broadcasting buffers), see OOMAgreement."""
-        if self.world_size == 1:
-            return contextlib.nullcontext()
-        return self._oom.before_forwards(self._strategy.communicating_modules())
-
-    def _hook_targets(self) -> list[tuple[str, nn.Parameter, torch.Tensor]]:
-        return self._strategy.hook_targets(self._named)
-
-    def _mean_over_ranks(self, count: Any) -> float:
-        local = torch.as_tensor(count, dtype=torch.float64).reshape(1).cpu()
-        return float(self._strategy.all_reduce_sum(local)) / self.world_size
-
-    def _warn_traps(self, window: Window) -> None:
-        """Silent traps that do not stop the step: said once per Stepper."""
-        if not math.isfinite(window.loss) and window.items and math.isfinite(window.raw_norm):
-            self._warn_once(
-                "loss",
-                f"Stepper.step: the window's loss is {window.loss} but its gradient is finite: "
-                "the loss sum includes a non-finite term that carries no gradient (e.g. a "
-                "masked position's logit); the step is taken",
-            )
-        if self.world_size > 1 and window.local_items == 0 and window.items > 0:
-            self._warn_once(
-                "count",
-                "Stepper.step: every micro-batch of this rank had LossSum.count 0 (every "
-                "label ignored?): this rank contributed nothing to the step",
-            )
-
-    def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            warnings.warn(message, UserWarning, stacklevel=3)
-
-    def _apply_policies(self, view: GradientView) -> _Decision:
-        decision = _Decision()
-        for policy in self._clip:
-            before = view.norm
-            result = policy.clip(view)
-            acted = result.acted or result.skip is not None
-            decision.detail.append(
-                {"name": type(policy).__name__, "threshold": result.threshold, "acted": acted}
-            )
-            if result.skip is not None:
-                decision.threshold, decision.acted = result.threshold, True
-                decision.skip = result.skip
-                return decision
-            if result.acted and view.settle():  # edited the tensors: measured again
-                decision.coef *= view.norm / before if before > 0 else 1.0
-            elif result.coef != 1.0:
-                view.scale_by(result.coef)
-                decision.coef *= result.coef
-            if result.threshold is not None:
-                decision.threshold = result.threshold
-            decision.acted = decision.acted or result.acted
-        return decision
+        return self._stats(window, norm, decision, lr=lr, post_clip_norm=post_clip_norm)
 
     def _skip(
         self,
         window: Window,
         reason: str,
         norm: float,
-        decision: _Decision | None = None,
+        decision: Decision | None = None,
         overflow: bool = False,
     ) -> StepStats:
         """No optimizer or scheduler step: parameters and optimizer state stay untouched."""
@@ -540,37 +365,22 @@ class Stepper:
         self.optimizer.zero_grad(set_to_none=True)
         self.skipped_steps += 1
         self.skip_reasons[reason] += 1
-        kept = _Decision(detail=decision.detail if decision else [])
+        kept = Decision(detail=decision.detail if decision else [])
         return self._stats(window, norm, kept, skip_reason=reason)
 
     def _stats(
-        self,
-        window: Window,
-        norm: float,
-        decision: _Decision,
-        *,
-        lr: float | None = None,
-        post_clip_norm: float = math.nan,
-        skip_reason: str | None = None,
+        self, window: Window, norm: float, decision: Decision, lr: float | None = None, **kw: Any
     ) -> StepStats:
-        """The one place a StepStats is built, for taken and skipped steps alike."""
-        return StepStats(
-            aux=window.aux,
-            loss=window.loss,
-            items=window.items,
-            micro_batches=window.micro_batches,
-            grad_norm=norm,
-            clip_coef=decision.coef,
-            clipped=decision.acted and skip_reason is None,
-            skipped=skip_reason is not None,
-            lr=float(self.optimizer.param_groups[0]["lr"]) if lr is None else lr,
-            step=self.step_count,
-            skip_reason=skip_reason,
-            clip_threshold=decision.threshold,
-            post_clip_norm=post_clip_norm,
-            loss_scale=self._precision.loss_scale,
-            policies=decision.detail,
-        )
+        lr = float(self.optimizer.param_groups[0]["lr"]) if lr is None else lr
+        return step_stats(
+            window, norm, decision, lr=lr, step=self.step_count,
+            loss_scale=self._precision.loss_scale, **kw,
+        )  # fmt: skip
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, UserWarning, stacklevel=3)
 
     def state_dict(self) -> dict[str, Any]:
         """Counters, the fp16 scaler, every stateful clip policy and hook."""
@@ -592,9 +402,7 @@ class Stepper:
         missing = [k for k in counters if k not in state] if isinstance(state, dict) else counters
         if missing:
             raise ValueError(f"Stepper.load_state_dict: not a Stepper state (missing {missing})")
-        clip_states = state.get("clip", [])
-        # Checkpoints written before hooks existed hold none: nothing to restore then.
-        hook_states = state.get("hooks", [{} for _ in self.hooks])
+        clip_states, hook_states = state.get("clip", []), state.get("hooks", [])
         check_state_count("clip policies", "clip", clip_states, self._clip)
         saved_types = state.get("clip_types")
         mine = [type(p).__name__ for p in self._clip]
@@ -608,7 +416,8 @@ class Stepper:
         self.skipped_steps = int(state["skipped_steps"])
         self.clipped_steps = int(state["clipped_steps"])
         self.skip_reasons = Counter(state.get("skip_reasons", {}))
-        self.oom_halvings = int(state.get("oom_halvings", 0))
+        if self._oom is not None:
+            self._oom.halvings = int(state.get("oom_halvings", 0))
         self._precision.load_state_dict(state.get("precision", {}), state.get("loss_hint"))
         objects = [*self._clip, *self.hooks.items]
         for obj, sd in zip(objects, [*clip_states, *hook_states], strict=True):
@@ -616,8 +425,29 @@ class Stepper:
                 obj.load_state_dict(sd)
 
 
-def _no_guard(micro_batch: Any = None) -> contextlib.AbstractContextManager[None]:
-    return contextlib.nullcontext()
+def _check_args(
+    model: Any, optimizer: Any, scheduler: Any, strategy: Any, on_oom: Any, split_fn: Any
+) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    if strategy is not None and not isinstance(strategy, Strategy):
+        raise TypeError(
+            "strategy must be None (detect) or a gradstep.parallel strategy (LocalStrategy, "
+            f"DDPStrategy, FSDP2Strategy, ...), got {type(strategy).__name__}"
+        )
+    if scheduler is not None and not callable(getattr(scheduler, "step", None)):
+        raise TypeError(
+            "scheduler must be None or an LR scheduler with step() (e.g. "
+            f"torch.optim.lr_scheduler.LambdaLR), got {type(scheduler).__name__}"
+        )
+    if on_oom not in ON_OOM:
+        raise ValueError(f"on_oom must be one of {', '.join(ON_OOM)}; got {on_oom!r}")
+    if split_fn is not None and not callable(split_fn):
+        raise TypeError(f"split_fn must be None or a callable, got {type(split_fn).__name__}")
 
 
 def _state_of(obj: Any) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from torch import nn
 from gradstep import LossSum, parallel, token_loss
 from gradstep.oom import (
     MAX_HALVINGS,
+    ON_OOM,
     OOMAgreement,
     SplitFn,
     WindowOOM,
@@ -30,8 +31,6 @@ from gradstep.oom import (
 from .data import Batch
 
 __all__ = ["LMLoss", "evaluate"]
-
-ON_OOM = ("raise", "split")
 
 
 @dataclass(frozen=True)

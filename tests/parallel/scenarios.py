@@ -136,9 +136,11 @@ class CollectiveSpy:
 
 
 # The Stepper's one all-reduce of the window: loss sum, items, negative counts, count
-# mismatches, n, n^2, mixed aux names, and the aux names' fingerprint (6 numbers).
+# mismatches, n, n^2, mixed aux names, and the aux names' fingerprint (6 numbers); under
+# FSDP2 (finite norm types) one more, this rank's gradient norm**p.
 WINDOW_NUMBERS = 13
-_TOTALS = ("all_reduce", WINDOW_NUMBERS, torch.float64)
+WINDOW_AND_NORM = WINDOW_NUMBERS + 1
+_TOTALS = {("all_reduce", n, torch.float64) for n in (WINDOW_NUMBERS, WINDOW_AND_NORM)}
 
 
 def _is_backend(caller: str) -> bool:
@@ -214,7 +216,7 @@ def parity_run(
                 "grads": {_name(n): _full(p.grad) for n, p in model.named_parameters()},
                 "comm_calls": counter.calls,
                 "comm_bytes": counter.bytes,
-                "totals_all_reduces": [c[:3] for c in spy.calls].count(_TOTALS),
+                "totals_all_reduces": sum(c[:3] in _TOTALS for c in spy.calls),
                 "collectives": spy.calls,
                 "grad_dtypes": {_local(p.grad).dtype for p in model.parameters()},
             }

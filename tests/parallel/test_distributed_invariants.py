@@ -142,7 +142,8 @@ def test_fp16_first_window_all_reduces_the_prescale_once(runs: dict) -> None:
     f64 = torch.float64
     usual = {("all_reduce", sc.WINDOW_NUMBERS, f64): 1}
     if runs["strategy"] == "fsdp":
-        usual[("all_reduce", 2, f64)] = 1  # its forward communicates: the window check
+        # its forward communicates: the window check; its totals carry the norm**p
+        usual = {("all_reduce", 2, f64): 1, ("all_reduce", sc.WINDOW_AND_NORM, f64): 1}
     for rank, res in enumerate(_case(runs, "fp16")):
         for i, step in enumerate(res["steps"]):
             _, own = sc.split_collectives(step["collectives"])

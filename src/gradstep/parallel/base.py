@@ -3,9 +3,14 @@
 A strategy answers five questions for :class:`gradstep.Stepper`: a context that turns
 gradient sync on or off for one micro-batch, the factor by which the backend already
 divided the gradients (DDP and FSDP2 average over ranks), a sum over the data-parallel
-ranks of a few scalars, the global norm of the (possibly sharded) gradients, and whether
-the forward pass itself runs collectives (then every rank's window length is compared
-before the first forward). Everything DDP- or FSDP-specific lives in its own file.
+ranks of a few scalars, how the gradient is laid out over the ranks (which says how its
+global norm is assembled, see ``gradient_layout``), and whether the forward pass itself
+runs collectives (then every rank's window length is compared before the first forward).
+Everything DDP- or FSDP-specific lives in its own file.
+
+Optional capabilities are declared by implementing a small protocol, checked once with
+``isinstance``: :class:`FinalGrads` (where gradients become final in the last backward,
+for the norm taken there).
 
 Item counts are summed over the strategy's data-parallel group (``dp_group``; None is the
 whole default group): ranks that hold no distinct data (tensor or pipeline peers) must not
@@ -16,13 +21,32 @@ reduces the norm over its model-parallel dimensions too.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
-__all__ = ["Strategy", "local_norm", "window_length_error"]
+from .._handles import removing
+from .dtensor import to_local
+
+__all__ = [
+    "GRADIENT_LAYOUTS",
+    "FinalGrads",
+    "Strategy",
+    "local_norm",
+    "post_accumulate_hooks",
+    "shard_norm",
+    "window_length_error",
+]
+
+GRADIENT_LAYOUTS = ("replicated", "dp_sharded", "other")
+"""How the reduced gradient lies on the ranks. ``replicated``: every rank holds all of it
+(one process, DDP): the local norm is the global one. ``dp_sharded``: each rank holds a
+disjoint shard over the data-parallel group (FSDP2): the p-th powers of the local norms sum
+over that group, in the step's one collective. ``other``: the strategy's ``total_norm``
+reduces it (its own collectives)."""
 
 
 @runtime_checkable
@@ -35,6 +59,8 @@ class Strategy(Protocol):
     """The data-parallel process group (None: the default group, or no group at all)."""
     distributed: bool
     """True when gradients are reduced by a backend (DDP, FSDP2)."""
+    gradient_layout: str
+    """One of :data:`GRADIENT_LAYOUTS`."""
     forward_communicates: bool
     """True when the forward pass runs collectives (FSDP2 all-gathers parameters): ranks
     with different window lengths would then pair unrelated collectives and hang, so the
@@ -78,6 +104,29 @@ class Strategy(Protocol):
         ...
 
 
+@runtime_checkable
+class FinalGrads(Protocol):
+    """A strategy that knows where each gradient becomes final in the last backward."""
+
+    def final_grads(
+        self, params: Sequence[nn.Parameter], record: Callable[[nn.Parameter, torch.Tensor], None]
+    ) -> contextlib.AbstractContextManager[None] | None:
+        """A context for the last micro-batch's backward that calls ``record(param, this
+        rank's part of its final gradient)``; None when it cannot on this model."""
+        ...
+
+
+def post_accumulate_hooks(
+    params: Sequence[nn.Parameter], record: Callable[[Any, torch.Tensor], None]
+) -> contextlib.AbstractContextManager[None]:
+    """``record(param, local part of param.grad)`` each time autograd (or FSDP2, for a
+    shard) has finished accumulating a parameter's gradient; nothing stays registered
+    after the ``with`` block."""
+    return removing(
+        p.register_post_accumulate_grad_hook(lambda p: record(p, to_local(p.grad))) for p in params
+    )
+
+
 def window_length_error(n: int, n_sum: float, n2_sum: float, world: int) -> RuntimeError | None:
     """The error for ranks whose windows differ, from sums over ranks of n and n^2.
 
@@ -100,6 +149,17 @@ def local_norm(grads: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
     return torch.nn.utils.get_total_norm(list(grads), norm_type=norm_type, foreach=None)
 
 
+def shard_norm(grads: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """Norm of this rank's parts of the gradients (a DTensor's local shard); empty shards
+    (a parameter with fewer rows than ranks) count as zero, also for the inf-norm."""
+    local = [to_local(g) for g in grads]
+    if math.isinf(norm_type):
+        local = [g for g in local if g.numel()]
+    if not local:
+        return torch.zeros((), device=grads[0].device if grads else None)
+    return local_norm(local, norm_type)
+
+
 class ProcessGroupStrategy:
     """What every strategy on a process group shares: the group, its size, the collectives.
 
@@ -108,6 +168,7 @@ class ProcessGroupStrategy:
 
     name = "group"
     distributed = True
+    gradient_layout = "replicated"
 
     def __init__(self, dp_group: Any = None) -> None:
         from ..errors import UnsupportedSetup
@@ -136,6 +197,14 @@ class ProcessGroupStrategy:
         from .collectives import all_reduce_sum
 
         return all_reduce_sum(t, self.dp_group)
+
+    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        """The maximum of a small tensor over the data-parallel ranks (a float64 copy)."""
+        import torch.distributed as dist
+
+        out = t.to(torch.float64, copy=True)  # the all-reduce is in place
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.dp_group)
+        return out
 
     def check_window(self, n: int) -> None:
         local = torch.tensor([float(n), float(n * n)], dtype=torch.float64)

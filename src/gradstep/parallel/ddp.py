@@ -31,6 +31,7 @@ class DDPStrategy(ProcessGroupStrategy):
             model.broadcast_buffers and any(True for _ in model.module.buffers())
         )
         self._hook_installed = False
+        self._hook_refused = False  # the model has another comm hook (DDP allows one)
         self.recorder: Callable | None = None
 
     @staticmethod
@@ -51,11 +52,14 @@ class DDPStrategy(ProcessGroupStrategy):
         """``record(param, its reduced gradient)`` as each bucket's all-reduce completes,
         through a communication hook that is DDP's own average-and-all-reduce plus the
         record. None when the model already has another hook (DDP allows one)."""
+        if self._hook_refused:
+            return None
         if not self._hook_installed:
             try:
                 self.model.register_comm_hook(self, _allreduce_and_record)
             except RuntimeError:
-                return None  # another comm hook: the norm is measured after backward
+                self._hook_refused = True  # the norm is measured after backward
+                return None
             self._hook_installed = True
         return self._recording(record)
 
@@ -66,9 +70,6 @@ class DDPStrategy(ProcessGroupStrategy):
             yield
         finally:
             self.recorder = None
-
-    def reduce_norm(self, norm: torch.Tensor, norm_type: float) -> torch.Tensor:
-        return norm  # every rank measured the same reduced buckets
 
     def total_norm(self, grads: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
         # After the all-reduce every rank holds the same full gradient: the local norm

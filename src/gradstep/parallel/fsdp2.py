@@ -10,13 +10,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from .base import ProcessGroupStrategy, local_norm
+from .base import ProcessGroupStrategy, local_norm, post_accumulate_hooks, shard_norm
 
 __all__ = ["FSDP2Strategy"]
 
 
 class FSDP2Strategy(ProcessGroupStrategy):
     name = "fsdp"
+    gradient_layout = "dp_sharded"
     # Every forward all-gathers the parameters of each FSDP module.
     forward_communicates = True
 
@@ -54,19 +55,7 @@ class FSDP2Strategy(ProcessGroupStrategy):
         """``record(param, local shard)`` once the reduce-scattered shard of a parameter's
         gradient is in place: FSDP2 runs post-accumulate-grad hooks of the sharded
         parameters right after assigning (or accumulating into) their gradient."""
-        from ..early_norm import post_accumulate_hooks
-
-        return post_accumulate_hooks(params, record, _to_local)
-
-    def reduce_norm(self, norm: torch.Tensor, norm_type: float) -> torch.Tensor:
-        """The global norm from this rank's norm of its shards."""
-        import torch.distributed as dist
-
-        if math.isinf(norm_type):
-            norm = norm.to(torch.float64, copy=True)  # the all-reduce is in place
-            dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=self.dp_group)
-            return norm
-        return self.all_reduce_sum(norm.double() ** norm_type) ** (1.0 / norm_type)
+        return post_accumulate_hooks(params, record)
 
     def hook_targets(
         self, named: Sequence[tuple[str, nn.Parameter]]
@@ -75,21 +64,13 @@ class FSDP2Strategy(ProcessGroupStrategy):
         unsharded parameter it all-gathers (one tensor object per parameter, reused by
         every forward), not on the sharded ``nn.Parameter`` the model lists, which only
         ever receives the reduce-scattered shard. Needs the first forward to have run."""
-        from torch.distributed.fsdp import FSDPModule
-
         owner = {id(p): (n, p) for n, p in named}
         out = []
-        for module in self.model.modules():
-            group = (
-                module._get_fsdp_state()._fsdp_param_group
-                if isinstance(module, FSDPModule)
-                else None
-            )
-            for fsdp_param in group.fsdp_params if group is not None else ():
-                found = owner.get(id(fsdp_param.sharded_param))
-                unsharded = getattr(fsdp_param, "_unsharded_param", None)
-                if found is not None and unsharded is not None:
-                    out.append((*found, unsharded))
+        for fsdp_param in _fsdp_params(self.model):
+            found = owner.get(id(fsdp_param.sharded_param))
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if found is not None and unsharded is not None:
+                out.append((*found, unsharded))
         return out
 
     def communicating_modules(self) -> list[nn.Module]:
@@ -106,41 +87,36 @@ class FSDP2Strategy(ProcessGroupStrategy):
         no public call for this (torch 2.13), so the two fields its post-backward reads
         are cleared here, and only here.
         """
-        from torch.distributed.fsdp import FSDPModule
-
-        for module in self.model.modules():
-            if not isinstance(module, FSDPModule):
-                continue
-            group = module._get_fsdp_state()._fsdp_param_group
-            for fsdp_param in group.fsdp_params if group is not None else ():
-                fsdp_param.unsharded_accumulated_grad = None
-                unsharded = getattr(fsdp_param, "_unsharded_param", None)
-                if unsharded is not None:
-                    unsharded.grad = None
+        for fsdp_param in _fsdp_params(self.model):
+            fsdp_param.unsharded_accumulated_grad = None
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if unsharded is not None:
+                unsharded.grad = None
 
     def total_norm(self, grads: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
-        # Norms of DTensor shards come back as a DTensor with a Partial placement;
-        # full_tensor() performs the cross-shard reduction (sum of p-th powers, or max).
-        from torch.distributed.tensor import DTensor
-
         if math.isinf(norm_type):
             # torch's inf-norm of a DTensor raises on a rank whose shard is empty (a
             # parameter with fewer rows than ranks) while the other ranks wait for it: the
             # max of the non-empty local shards, then one MAX all-reduce.
-            local = [_to_local(g) for g in grads]
-            parts = [torch.linalg.vector_norm(g, math.inf) for g in local if g.numel()]
-            device = local[0].device if local else torch.device("cpu")
-            mine = torch.stack(parts).max() if parts else torch.zeros((), device=device)
-            return self.reduce_norm(mine, norm_type)
+            return self.all_reduce_max(shard_norm(grads, norm_type))
+        # Norms of DTensor shards come back as a DTensor with a Partial placement;
+        # full_tensor() performs the cross-shard reduction (sum of p-th powers).
+        from torch.distributed.tensor import DTensor
+
         norm = local_norm(grads, norm_type)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        return norm
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
-def _to_local(grad: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(grad, "to_local", None)
-    return to_local() if to_local is not None else grad
+def _fsdp_params(model: nn.Module) -> Iterator[Any]:
+    """FSDP2's per-parameter records (private API, torch 2.13: ``_get_fsdp_state()``,
+    ``_fsdp_param_group``; the one place this module reaches into FSDP2's internals)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        group = (
+            module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+        )
+        yield from group.fsdp_params if group is not None else ()
 
 
 def release_dtensor_caches() -> None:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .base import local_norm
+from .base import local_norm, post_accumulate_hooks
 
 __all__ = ["LocalStrategy"]
 
@@ -22,6 +22,7 @@ class LocalStrategy:
     dp_group = None
     distributed = False
     grad_divisor = 1.0
+    gradient_layout = "replicated"
     forward_communicates = False
 
     def sync(self, enabled: bool) -> contextlib.AbstractContextManager[None]:
@@ -35,12 +36,7 @@ class LocalStrategy:
 
     def final_grads(self, params: Sequence[nn.Parameter], record: Callable) -> Any:
         """``record(param, grad)`` once autograd has accumulated its final gradient."""
-        from ..early_norm import post_accumulate_hooks
-
-        return post_accumulate_hooks(params, record, lambda g: g)
-
-    def reduce_norm(self, norm: torch.Tensor, norm_type: float) -> torch.Tensor:
-        return norm
+        return post_accumulate_hooks(params, record)
 
     def check_window(self, n: int) -> None:
         return None

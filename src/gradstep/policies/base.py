@@ -12,13 +12,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
-__all__ = ["ClipPolicy", "ClipResult", "GradientView", "check_norm_type", "scale_to"]
+__all__ = [
+    "ClipPolicy",
+    "Decision",
+    "apply_policies",
+    "ClipResult",
+    "GradientView",
+    "check_norm_type",
+    "scale_to",
+]
 
 
 @dataclass
@@ -154,3 +162,41 @@ def scale_to(norm: float, threshold: float | None) -> ClipResult:
     if threshold is None or not norm > threshold:
         return ClipResult(threshold=threshold)
     return ClipResult(coef=threshold / norm, threshold=threshold, acted=True)
+
+
+@dataclass
+class Decision:
+    """What the clip policies decided, together, for one step."""
+
+    coef: float = 1.0
+    threshold: float | None = None
+    acted: bool = False
+    skip: str | None = None
+    detail: list[dict] = field(default_factory=list)
+    """Per policy: name, threshold used, whether it acted (``StepStats.policies``)."""
+
+
+def apply_policies(policies: Sequence[ClipPolicy], view: GradientView) -> Decision:
+    """Ask each policy in order; a coefficient joins the view's pending multiply, an edit
+    in place is measured again, a skip ends the round."""
+    decision = Decision()
+    for policy in policies:
+        before = view.norm
+        result = policy.clip(view)
+        acted = result.acted or result.skip is not None
+        decision.detail.append(
+            {"name": type(policy).__name__, "threshold": result.threshold, "acted": acted}
+        )
+        if result.skip is not None:
+            decision.threshold, decision.acted = result.threshold, True
+            decision.skip = result.skip
+            return decision
+        if result.acted and view.settle():  # edited the tensors: measured again
+            decision.coef *= view.norm / before if before > 0 else 1.0
+        elif result.coef != 1.0:
+            view.scale_by(result.coef)
+            decision.coef *= result.coef
+        if result.threshold is not None:
+            decision.threshold = result.threshold
+        decision.acted = decision.acted or result.acted
+    return decision
