@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.gradstep-installed
 
-.PHONY: venv train test test-gpu lint bench clean mutants
+.PHONY: venv train test test-fast test-gpu lint bench clean mutants
 
 # OpenMP threads that busy-wait for each other slow torch 10-20x on a small shared machine
 # (2 cores, tests running 2 ranks): let idle threads sleep.
@@ -24,6 +24,11 @@ train: venv
 
 test: venv
 	$(PY) -m pytest -q
+
+# The inner loop: every unit, parity and property test, without the ones that start processes
+# or run the demo CLI end to end (marked in tests/conftest.py). Under a minute; CI runs `test`.
+test-fast: venv
+	$(PY) -m pytest -q -m "not integration and not distributed and not slow and not combinations"
 
 # The GPU smoke suite (tests marked cuda; all skipped without CUDA, NCCL ones need 2 GPUs).
 test-gpu: venv

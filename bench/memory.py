@@ -60,6 +60,7 @@ from _common import (
 )
 from gradstep import memory as gm
 from gradstep.memory import checkpoint_blocks
+from gradstep_demo.estimate import gpt_shape
 from gradstep_demo.model import GPT, GPTConfig
 from memory_held_out import held_out, print_held_out
 
@@ -268,7 +269,7 @@ def run_child(kind: str, case: Case, cfg: dict) -> dict:
 
 
 def predictions(case: Case, measured: dict, probe: dict | None) -> dict:
-    shape = gm.TransformerShape.from_gpt_config(GPTConfig(), case.seq_len)
+    shape = gpt_shape(GPTConfig(), case.seq_len)
     kwargs = _estimate_kwargs(case)
     est = gm.estimate_step_memory(
         shape,
@@ -338,7 +339,7 @@ def planner_check(bench: BenchConfig, probes: dict, ckpt_ratio: float) -> list[d
     base = Case("plan", "fp32", 256, 1, bench.plan_global_batch)
     probe = probes.get(base.group) or run_child("probe", base, _cfg(bench))
     res = gm.ProbeResult(**{**probe, "points": [tuple(p) for p in probe["points"]]})
-    shape = gm.TransformerShape.from_gpt_config(GPTConfig(), base.seq_len)
+    shape = gpt_shape(GPTConfig(), base.seq_len)
     predict = gm.step_predictor(shape, probe=res, per_rank_batch=base.items)
     timer = gm.probe_step_time(res, checkpoint_factor=ckpt_ratio)
     checks = []

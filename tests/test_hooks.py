@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import gradstep
+from gradstep.hooks import HOOK_POINTS, Hooks
 from gradstep.parallel import LocalStrategy
 from tests.support.asserts import assert_bitwise_equal, rel_err, snapshot
 from tests.support.batches import collate, make_window
@@ -194,3 +195,24 @@ def test_assigning_clip_validates_and_recomputes_the_norm_type():
     with pytest.raises(TypeError, match="the class ClipNorm"):
         stepper.clip = gradstep.ClipNorm
     assert stepper.clip == []  # a refused assignment changes nothing
+
+
+def test_each_hook_point_holds_the_bound_methods_of_the_hooks_that_have_it():
+    """``Hooks`` declares one attribute per point: the methods, in the hooks' order, of the
+    hooks defining that point; an empty tuple (nothing to call) for the others."""
+
+    class Start:
+        def on_step_start(self, stepper):
+            pass
+
+    class Both(Start):
+        def on_norm(self, stepper, view):
+            pass
+
+    a, b = Start(), Both()
+    hooks = Hooks([a, b])
+    assert hooks.on_step_start == (a.on_step_start, b.on_step_start)
+    assert hooks.on_norm == (b.on_norm,)
+    assert hooks.on_param_grad == hooks.on_micro_batch_end == hooks.on_step_end == ()
+    assert {p: getattr(Hooks([]), p) for p in HOOK_POINTS} == dict.fromkeys(HOOK_POINTS, ())
+    assert list(hooks) == hooks.items == [a, b] and len(hooks) == 2

@@ -334,3 +334,30 @@ def test_fp16_policy_skip_does_not_count_towards_scale_growth():
         stats = stepper.step(mbs, lm_loss)
         assert stats.skipped and stats.skip_reason == "test: always skip"
     assert stepper.loss_scale == 2.0**16 and tracker() == 0
+
+
+def test_the_pre_scale_travels_in_the_precision_state():
+    """fp16's pre-scale of the next window is part of ``Precision.state_dict()``: a round
+    trip restores it whatever ``prescale=`` says; a state saved without it (the Stepper used
+    to keep it apart) takes the argument; fp32/bf16 keep 1 whatever was saved."""
+    from gradstep.precision import Precision
+
+    params = list(nn.Linear(3, 2).parameters())
+    saved = Precision("fp16", params, None, distributed=False)
+    assert saved.state_dict()["prescale"] is None  # before the first window: unknown
+    saved.end_window(global_micro_batches=4, items=26)
+    state = saved.state_dict()
+    assert state["prescale"] == 4 / 26 == saved.prescale
+    again = Precision("fp16", params, None, distributed=False)
+    again.load_state_dict(state, prescale=0.5)
+    assert again.prescale == 4 / 26 and again.state_dict() == state
+    older = Precision("fp16", params, None, distributed=False)
+    older.load_state_dict({"scaler": state["scaler"]}, prescale=0.25)
+    assert older.prescale == 0.25
+    unknown = Precision("fp16", params, None, distributed=False)
+    unknown.load_state_dict({**state, "prescale": None}, prescale=0.25)
+    with pytest.raises(RuntimeError, match="unknown before the first backward"):
+        _ = unknown.prescale
+    plain = Precision("bf16", params, None, distributed=False)
+    plain.load_state_dict(state, prescale=0.25)
+    assert plain.prescale == 1.0 and plain.state_dict() == {"scaler": None, "prescale": 1.0}

@@ -5,7 +5,11 @@ on the global, unscaled norm, in any precision, with every event reported.
 
 The package, one concern per module:
 
-- :mod:`gradstep.stepper`: the step (``Stepper``, ``StepStats``, ``windows``);
+- :mod:`gradstep.stepper`: the step (``Stepper``), what it reports (:mod:`gradstep.stats`:
+  ``StepStats``);
+- :mod:`gradstep.window`: windows of micro-batches (``windows``) and their accounting;
+- :mod:`gradstep.oom` and :mod:`gradstep.early_norm`: the step's optional parts (splitting
+  micro-batches on out-of-memory, the gradient norm taken during the last backward);
 - :mod:`gradstep.loss`: ``LossSum`` and ``token_loss``;
 - :mod:`gradstep.precision`: autocast, fp16 loss scaling, fp32 accumulation buffers;
 - :mod:`gradstep.policies`: clip policies and their registry;
@@ -39,7 +43,9 @@ from .policies import (
     ZClip,
     find_output_layer,
 )
-from .stepper import Stepper, StepStats, windows
+from .stats import StepStats
+from .stepper import Stepper
+from .window import windows
 
 __all__ = [
     "AGC",
@@ -78,10 +84,9 @@ __all__ = [
 
 
 def __getattr__(name: str):  # type: ignore[no-untyped-def]
-    # ``gradstep.distributed`` is the deprecated name of ``gradstep.parallel``; ``gradstep.hf``
-    # needs the optional transformers. Both are imported on first use.
-    if name in ("distributed", "hf"):
+    # ``gradstep.hf`` needs the optional transformers: imported on first use.
+    if name == "hf":
         import importlib
 
-        return importlib.import_module(f".{name}", __name__)
+        return importlib.import_module(".hf", __name__)
     raise AttributeError(f"module 'gradstep' has no attribute {name!r}")

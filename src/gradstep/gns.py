@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._validate import check_number
+from .parallel.dtensor import norm32
 from .policies import GradientView
 
 __all__ = ["GradientNoiseScale"]
@@ -51,9 +53,7 @@ class GradientNoiseScale:
     """
 
     def __init__(self, beta: float = 0.99) -> None:
-        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 <= beta < 1:
-            raise ValueError(f"GradientNoiseScale: beta must be a number in [0, 1), got {beta!r}")
-        self.beta = float(beta)
+        self.beta = check_number("beta", beta, "GradientNoiseScale", high=1.0, error=ValueError)
         self._ema = torch.zeros(3, dtype=torch.float64)  # |G|^2, tr(Sigma), weight sum
         self._measured = torch.zeros((), dtype=torch.float64)
         self._last = torch.full((2,), math.nan, dtype=torch.float64)
@@ -67,8 +67,7 @@ class GradientNoiseScale:
         self, stepper: Any, index: int, name: str, param: nn.Parameter, grad: torch.Tensor
     ) -> None:
         # At least float32, without a float32 copy of a half-precision gradient.
-        wide = torch.promote_types(grad.dtype, torch.float32)
-        self._norms.append(torch.linalg.vector_norm(grad, dtype=wide))
+        self._norms.append(norm32(grad))
 
     def on_micro_batch_end(self, stepper: Any, index: int, is_last: bool, loss: Any) -> None:
         if self._norms:

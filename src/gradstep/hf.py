@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._validate import check_number
 from .errors import GradstepError
 from .loss import LossSum, token_loss
 from .parallel import unwrap
@@ -139,15 +140,6 @@ def _position_ids(mask: torch.Tensor | None) -> torch.Tensor | None:
     return (real.long().cumsum(-1) - 1).clamp_min(0)
 
 
-def _check_coef(aux_coef: float | None) -> None:
-    if aux_coef is None:
-        return
-    if isinstance(aux_coef, bool) or not isinstance(aux_coef, (int, float)) or not aux_coef >= 0:
-        raise ValueError(
-            f"causal_lm_loss: aux_coef must be None or a number >= 0, got {aux_coef!r}"
-        )
-
-
 def _wants_router(model: nn.Module, aux_coef: float | None) -> bool:
     """Whether to ask this forward for the router loss: a coefficient > 0 was given.
 
@@ -259,7 +251,7 @@ def causal_lm_loss(
     A token or label id outside the vocabulary is a :class:`BatchError` naming the key
     (diagnosed after torch refuses the index, so the fast path reads nothing back).
     """
-    _check_coef(aux_coef)
+    check_number("aux_coef", aux_coef, "causal_lm_loss", optional=True, error=ValueError)
     router = _wants_router(model, aux_coef)
     key, labels, aligned = _labels(batch, shifted)
     targets = causal_lm_targets(batch, shifted=shifted)

@@ -42,6 +42,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from ._handles import removing
 from .loss import LossSum
 from .policies import GradientView
 
@@ -49,6 +50,8 @@ from .policies import GradientView
 # imports it.
 Stepper = Any
 StepStats = Any
+Calls = tuple[Callable[..., Any], ...]
+"""The bound methods one hook point calls, in the hooks' order (empty: nobody listens)."""
 
 __all__ = ["HOOK_POINTS", "Hooks", "StepHook"]
 
@@ -91,8 +94,15 @@ class Hooks:
                     f"{', '.join(HOOK_POINTS)}"
                 )
         self.items = items
-        for point in HOOK_POINTS:
-            setattr(self, point, tuple(getattr(h, point) for h in items if hasattr(h, point)))
+        self.on_step_start: Calls = self._bound("on_step_start")
+        self.on_param_grad: Calls = self._bound("on_param_grad")
+        self.on_micro_batch_end: Calls = self._bound("on_micro_batch_end")
+        self.on_norm: Calls = self._bound("on_norm")
+        self.on_step_end: Calls = self._bound("on_step_end")
+
+    def _bound(self, point: str) -> Calls:
+        """The bound ``point`` methods of the hooks that have one, in the hooks' order."""
+        return tuple(getattr(h, point) for h in self.items if hasattr(h, point))
 
     def __iter__(self) -> Iterator[Any]:
         return iter(self.items)
@@ -114,7 +124,7 @@ class Hooks:
         unsharded copy: :meth:`gradstep.parallel.Strategy.hook_targets`); it is asked
         only when some hook observes gradients.
         """
-        calls = self.on_param_grad  # type: ignore[attr-defined]
+        calls = self.on_param_grad
         if not calls:  # the common case costs no generator per micro-batch
             return contextlib.nullcontext()
         return self._lend_grads(stepper, targets, index, calls)
@@ -125,7 +135,7 @@ class Hooks:
         stepper: Stepper,
         targets: Callable[[], Sequence[tuple[str, nn.Parameter, torch.Tensor]]],
         index: int,
-        calls: tuple,
+        calls: Calls,
     ) -> Iterator[None]:
         def make(name: str, param: nn.Parameter):  # type: ignore[no-untyped-def]
             def seen(grad: torch.Tensor) -> None:
@@ -134,9 +144,5 @@ class Hooks:
 
             return seen
 
-        handles = [t.register_hook(make(n, p)) for n, p, t in targets()]
-        try:
+        with removing(t.register_hook(make(n, p)) for n, p, t in targets()):
             yield
-        finally:
-            for h in handles:
-                h.remove()

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 
+from ._validate import check_choice, check_number, check_positive
+
 __all__ = ["LR_SCALING", "scale_lr"]
 
 LR_SCALING = ("none", "linear", "sqrt")
@@ -23,16 +25,11 @@ def scale_lr(lr: float, batch: float, base_batch: float, rule: str) -> float:
     ``batch`` and ``base_batch`` are in the same unit (items, sequences or micro-batches);
     ``lr`` must be a finite number >= 0.
     """
-    if rule not in LR_SCALING:
-        raise ValueError(f"scale_lr: rule must be one of {', '.join(LR_SCALING)}; got {rule!r}")
-    for name, value in (("batch", batch), ("base_batch", base_batch)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"scale_lr: {name} must be a positive number, got {value!r}")
-        if not math.isfinite(value) or value <= 0:
-            raise ValueError(f"scale_lr: {name} must be a finite number > 0, got {value!r}")
+    check_choice("rule", rule, LR_SCALING, "scale_lr")
+    check_positive("batch", batch, "scale_lr")
+    check_positive("base_batch", base_batch, "scale_lr")
     # A negative rate is a step up the loss; scaling it would only make that step larger.
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (0 <= lr < math.inf):
-        raise ValueError(f"scale_lr: lr must be a finite number >= 0, got {lr!r}")
+    check_number("lr", lr, "scale_lr", error=ValueError)
     ratio = batch / base_batch
     if rule == "linear":
         return lr * ratio

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -82,27 +81,19 @@ def jsonable(value: Any) -> Any:
 def peak_memory(device: torch.device | str | None = None) -> tuple[float | None, str]:
     """``(peak MiB so far, source)``: CUDA allocator peak on a CUDA device, else max RSS.
 
-    On Linux max RSS is ``VmHWM`` from ``/proc/self/status``: ``ru_maxrss`` survives
-    fork + exec, so a run started from a large parent (a test runner, a notebook) would
-    report the parent's peak. Elsewhere ``ru_maxrss``; ``(None, "unavailable")`` where
-    neither exists (Windows).
+    Read by :func:`gradstep.memory.peak_bytes`: on Linux max RSS is ``VmHWM`` from
+    ``/proc/self/status`` (``ru_maxrss`` survives fork + exec, so a run started from a large
+    parent, a test runner or a notebook, would report the parent's peak), elsewhere
+    ``ru_maxrss``; ``(None, "unavailable")`` where neither exists (Windows).
     """
-    dev = torch.device(device) if device is not None else torch.device("cpu")
-    if dev.type == "cuda" and torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated(dev) / 2**20, "cuda_max_allocated"
     try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 2**10, "max_rss"  # kB
-    except OSError:
-        pass
-    try:
-        import resource
-    except ImportError:  # pragma: no cover - Windows
+        # Imported here: the memory planner stays out of ``import gradstep``.
+        from .memory import peak_bytes
+    except ImportError:  # pragma: no cover - Windows (no ``resource`` module)
         return None, "unavailable"
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return (rss / 2**20 if sys.platform == "darwin" else rss / 2**10), "max_rss"  # B / KiB
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    source = "cuda_max_allocated" if dev.type == "cuda" and torch.cuda.is_available() else "max_rss"
+    return peak_bytes(dev) / 2**20, source
 
 
 @runtime_checkable

@@ -18,6 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._handles import removing
+from ._validate import check_choice
+
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 ACCUM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -42,12 +45,8 @@ class GradAccumulator:
     def window(self) -> Iterator[None]:
         """Route this window's backward passes into the buffers."""
         self._written.clear()
-        handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
-        try:
+        with removing(p.register_post_accumulate_grad_hook(self._hook) for p in self.params):
             yield
-        finally:
-            for h in handles:
-                h.remove()
 
     def _hook(self, p: torch.Tensor) -> None:
         key = id(p)
@@ -82,8 +81,7 @@ class Precision:
         accum_dtype: torch.dtype | None,
         distributed: bool,
     ) -> None:
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+        check_choice("precision", precision, tuple(PRECISIONS))
         if accum_dtype is not None and accum_dtype not in ACCUM_DTYPES:
             raise ValueError(
                 f"accum_dtype must be None or one of {[str(d) for d in ACCUM_DTYPES]}, "
@@ -131,10 +129,6 @@ class Precision:
         """The factor every loss sum of this window was multiplied by before backward."""
         if self._prescale is None:
             raise RuntimeError("Precision.prescale is unknown before the first backward")
-        return self._prescale
-
-    @property
-    def prescale_state(self) -> float | None:
         return self._prescale
 
     @property
@@ -203,7 +197,7 @@ class Precision:
         step at all.
         """
         if self.scaler is not None and self._unscaled:
-            states = self.scaler._per_optimizer_states
+            states = _optimizer_states(self.scaler)
             if overflow:
                 # The skip decision comes from the global norm, GradScaler's found_inf
                 # from the gradients' own values: finite gradients whose norm overflows
@@ -224,10 +218,26 @@ class Precision:
         return float(self.scaler.get_scale()) if self.scaler is not None else None
 
     def state_dict(self) -> dict:
-        return {"scaler": self.scaler.state_dict() if self.scaler is not None else None}
+        """The fp16 scaler's state and the pre-scale of the next window (None: unknown)."""
+        return {
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "prescale": self._prescale,
+        }
 
     def load_state_dict(self, state: dict, prescale: float | None = None) -> None:
-        if self.scaler is not None and state.get("scaler"):
+        """Restore :meth:`state_dict`. ``prescale`` is for states saved without their own
+        (before it moved in here, the Stepper kept it); the state's entry wins."""
+        if self.scaler is None:
+            return  # fp32/bf16: the pre-scale is 1 whatever the run that saved it used
+        if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
-        if self.scaler is not None:
-            self._prescale = prescale
+        self._prescale = state.get("prescale", prescale)
+
+
+def _optimizer_states(scaler: torch.amp.GradScaler) -> dict[int, dict[str, Any]]:
+    """GradScaler's per-optimizer record of this step's unscale (``found_inf_per_device``).
+
+    Private torch API (2.13): the one place that reads it, for the next torch upgrade to
+    check. A ``defaultdict``: popping an optimizer's entry forgets its unscale.
+    """
+    return scaler._per_optimizer_states

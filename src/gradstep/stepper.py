@@ -3,10 +3,9 @@
 ``Stepper._step`` is the whole algorithm, top to bottom: zero grads -> micro-batches
 (forward, loss, backward; gradient sync only on the last) -> unscale -> global norm and
 the window's totals (one collective, one host read) -> normalise -> finite check -> clip
-policies -> optimizer step -> scheduler step. The optional features live in their own
-modules: the norm taken in backward (:mod:`.early_norm`), out-of-memory splitting
-(:mod:`.oom`), the window's accounting (:mod:`.window`), the policies' decision
-(:mod:`.policies`).
+policies -> optimizer step -> scheduler step. The micro-batch loop and the window's
+accounting are :mod:`.window`'s; the norm in backward :mod:`.early_norm`'s; out-of-memory
+splitting :mod:`.oom`'s; the policies' decision :mod:`.policies`'.
 
 Normalisation has exactly one owner, one line in ``_step``: losses are backpropagated as
 *sums*, the window's item count (over every micro-batch and every rank) is only known at
@@ -27,24 +26,22 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import early_norm
-from ._validate import check_optimizer_covers, check_state_count
+from . import _validate, early_norm
 from .early_norm import EarlyNorm
 from .hooks import Hooks
 from .loss import LossSum
 from .oom import ON_OOM, OOMSplitter, SplitFn
 from .parallel import Strategy, strategy_for
 from .policies import ClipNorm, ClipPolicy, GradientView, as_policies
-from .policies.base import Decision, apply_policies
+from .policies.base import Decision, apply_policies, norm_type_of
 from .precision import Precision
 from .stats import StepStats, step_stats
-from .window import Loop, Tally, Window, plan_counts, windows
+from .window import Loop, Tally, Window, check_micro_batches, plan_counts, windows
 
 __all__ = ["LossFn", "StepStats", "Stepper", "windows"]
 
 LossFn = Callable[[nn.Module, Any], LossSum]
 _DEFAULT_CLIP = object()
-NORM_IN_BACKWARD_BYTES = early_norm.NORM_IN_BACKWARD_BYTES
 
 
 class Stepper:
@@ -65,23 +62,14 @@ class Stepper:
         hooks: observers called at fixed points of every step (:mod:`gradstep.hooks`).
         strategy: how gradients are synchronised (:mod:`gradstep.parallel`); None detects
             it from the model's wrapper.
-        on_oom: ``"raise"`` (default), or ``"split"``: on out-of-memory in a micro-batch's
-            forward, loss or backward, drop the window's gradients, halve every micro-batch
-            (``split_fn``, default :func:`gradstep.oom_in_half`) and run the
-            window again; later windows start halved. The update is unchanged (the loss
-            is normalised by items). Out-of-memory as the allocators report it
-            (:func:`gradstep.oom.is_out_of_memory`: CUDA's, the CPU allocator's,
-            oneDNN's). On several ranks every rank splits together, or, when a rank ran
-            out in a one-item micro-batch, every rank raises ``MicroBatchTooLarge``.
-        split_fn: cuts one micro-batch in two (None when it holds one item).
+        on_oom: ``"raise"`` (default), or ``"split"``: after out-of-memory in a micro-batch
+            (on any rank), drop the window, halve every micro-batch and run it again; later
+            windows start halved; the update is unchanged (:mod:`gradstep.oom`).
+        split_fn: cuts one micro-batch in two (default :func:`gradstep.oom.split_in_half`).
         norm_in_backward: take each gradient's norm as soon as it is final in the last
-            micro-batch's backward (:mod:`gradstep.early_norm`), so that after backward only the
-            multiply remains; the same norm as the pass after backward, to rounding. Used
-            where the strategy supports it (one process, DDP, FSDP2), without fp16 loss
-            scaling and without float32 accumulation buffers; else the pass after backward.
-            ``"auto"`` (default): when the gradients hold at least 32 MiB, too much for a
-            cache to keep between backward and a later pass (on small models one norm per
-            parameter costs more than the single pass it replaces).
+            backward (:mod:`gradstep.early_norm`), leaving only the multiply for after it;
+            the same norm to rounding. ``"auto"`` (default): when the gradients hold at
+            least 32 MiB and the strategy and precision allow it.
     """
 
     def __init__(
@@ -99,7 +87,12 @@ class Stepper:
         split_fn: SplitFn | None = None,
         norm_in_backward: bool | str = "auto",
     ) -> None:
-        _check_args(model, optimizer, scheduler, strategy, on_oom, split_fn)
+        _validate.check_stepper_args(model, optimizer, scheduler, on_oom, ON_OOM, split_fn)
+        if strategy is not None and not isinstance(strategy, Strategy):
+            raise TypeError(
+                "strategy must be None (detect) or a gradstep.parallel strategy (LocalStrategy, "
+                f"DDPStrategy, FSDP2Strategy, ...), got {type(strategy).__name__}"
+            )
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -108,7 +101,7 @@ class Stepper:
         self.hooks = Hooks(hooks)
         self._named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self._params = [p for _, p in self._named]
-        check_optimizer_covers(self._named, optimizer)
+        _validate.check_optimizer_covers(self._named, optimizer)
         self._strategy = strategy_for(model) if strategy is None else strategy
         self._precision = Precision(
             precision, self._params, accum_dtype, self._strategy.distributed
@@ -138,13 +131,8 @@ class Stepper:
 
     @clip.setter
     def clip(self, value: Any) -> None:
-        policies = as_policies(value)
-        self._clip = policies
-        # The norm every policy is handed is measured in the first norm_type any policy
-        # names (ClipNorm(norm_type=inf) makes grad_norm the inf-norm), else L2.
-        self._norm_type = next(
-            (float(p.norm_type) for p in policies if hasattr(p, "norm_type")), 2.0
-        )
+        self._clip = as_policies(value)
+        self._norm_type = norm_type_of(self._clip)
 
     @property
     def precision(self) -> str:
@@ -178,11 +166,6 @@ class Stepper:
     def accumulator(self) -> Any:
         """The float32 accumulation buffers of low-precision parameters, or None."""
         return self._precision.accumulator
-
-    @property
-    def split_fn(self) -> SplitFn | None:
-        """What cuts a micro-batch in two (``on_oom="split"``; None otherwise)."""
-        return self._oom.split_fn if self._oom is not None else None
 
     @property
     def oom_halvings(self) -> int:
@@ -228,14 +211,7 @@ class Stepper:
                 "Stepper.step: the model is in eval mode (dropout and other train-only layers "
                 "are off; from_pretrained returns a model in eval mode): call model.train()",
             )
-        if isinstance(micro_batches, (dict, torch.Tensor, tuple, str, bytes)):
-            # A tuple is refused too: (inputs, targets) is the usual shape of ONE batch, and
-            # iterating it would run the inputs and the targets as two micro-batches.
-            raise TypeError(
-                "micro_batches must be an iterable of micro-batches forming one window (a list "
-                f"or a generator; not a tuple or a string), got a {type(micro_batches).__name__}; "
-                "wrap a single batch in a list: stepper.step([batch], loss_fn)"
-            )
+        check_micro_batches(micro_batches)
         if self._oom is not None:
             micro_batches = self._oom.prepare(micro_batches)
         if self._agree_first and count is None:  # with count=fn, plan_counts agrees
@@ -317,14 +293,12 @@ class Stepper:
         if self._precision.dtype is not None:
             loop.autocast = self._precision.autocast
         if hooks.on_param_grad:
-            loop.observe = lambda i: hooks.param_grads(self, self._hook_targets, i)
+            targets = lambda: strategy.hook_targets(self._named)  # noqa: E731
+            loop.observe = lambda i: hooks.param_grads(self, targets, i)
         if early is not None:
             loop.final = early[1]
         loop.on_end = [partial(call, self) for call in hooks.on_micro_batch_end]
         return loop
-
-    def _hook_targets(self) -> list[tuple[str, nn.Parameter, torch.Tensor]]:
-        return self._strategy.hook_targets(self._named)
 
     def _mean_over_ranks(self, count: Any) -> float:
         local = torch.as_tensor(count, dtype=torch.float64).reshape(1).cpu()
@@ -389,7 +363,6 @@ class Stepper:
             "skipped_steps": self.skipped_steps,
             "clipped_steps": self.clipped_steps,
             "skip_reasons": dict(self.skip_reasons),
-            "loss_hint": self._precision.prescale_state,
             "precision": self._precision.state_dict(),
             "clip": [_state_of(p) for p in self._clip],
             "clip_types": [type(p).__name__ for p in self._clip],
@@ -403,15 +376,9 @@ class Stepper:
         if missing:
             raise ValueError(f"Stepper.load_state_dict: not a Stepper state (missing {missing})")
         clip_states, hook_states = state.get("clip", []), state.get("hooks", [])
-        check_state_count("clip policies", "clip", clip_states, self._clip)
-        saved_types = state.get("clip_types")
-        mine = [type(p).__name__ for p in self._clip]
-        if saved_types is not None and list(saved_types) != mine:
-            raise ValueError(
-                f"Stepper.load_state_dict: the checkpoint's clip policies are {saved_types}, "
-                f"this Stepper's are {mine}; build the Stepper with the same clip="
-            )
-        check_state_count("hooks", "hooks", hook_states, self.hooks.items)
+        _validate.check_state_count("clip policies", "clip", clip_states, self._clip)
+        _validate.check_state_types(state.get("clip_types"), self._clip)
+        _validate.check_state_count("hooks", "hooks", hook_states, self.hooks.items)
         self.step_count = int(state["step_count"])
         self.skipped_steps = int(state["skipped_steps"])
         self.clipped_steps = int(state["clipped_steps"])
@@ -423,31 +390,6 @@ class Stepper:
         for obj, sd in zip(objects, [*clip_states, *hook_states], strict=True):
             if hasattr(obj, "load_state_dict"):
                 obj.load_state_dict(sd)
-
-
-def _check_args(
-    model: Any, optimizer: Any, scheduler: Any, strategy: Any, on_oom: Any, split_fn: Any
-) -> None:
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
-        )
-    if strategy is not None and not isinstance(strategy, Strategy):
-        raise TypeError(
-            "strategy must be None (detect) or a gradstep.parallel strategy (LocalStrategy, "
-            f"DDPStrategy, FSDP2Strategy, ...), got {type(strategy).__name__}"
-        )
-    if scheduler is not None and not callable(getattr(scheduler, "step", None)):
-        raise TypeError(
-            "scheduler must be None or an LR scheduler with step() (e.g. "
-            f"torch.optim.lr_scheduler.LambdaLR), got {type(scheduler).__name__}"
-        )
-    if on_oom not in ON_OOM:
-        raise ValueError(f"on_oom must be one of {', '.join(ON_OOM)}; got {on_oom!r}")
-    if split_fn is not None and not callable(split_fn):
-        raise TypeError(f"split_fn must be None or a callable, got {type(split_fn).__name__}")
 
 
 def _state_of(obj: Any) -> dict[str, Any]:

@@ -41,6 +41,7 @@ __all__ = [
     "Loop",
     "Tally",
     "Window",
+    "check_micro_batches",
     "mark_last",
     "plan_counts",
     "windows",
@@ -71,6 +72,18 @@ def _windows(it: Iterator[T], size: int) -> Iterator[list[T]]:
         yield window
         if len(window) < size:
             return
+
+
+def check_micro_batches(micro_batches: Any) -> None:
+    """Refuse what is one batch, not a window of them. A tuple too: (inputs, targets) is
+    the usual shape of ONE batch, and iterating it would run the inputs and the targets
+    as two micro-batches."""
+    if isinstance(micro_batches, (dict, torch.Tensor, tuple, str, bytes)):
+        raise TypeError(
+            "micro_batches must be an iterable of micro-batches forming one window (a list "
+            f"or a generator; not a tuple or a string), got a {type(micro_batches).__name__}; "
+            "wrap a single batch in a list: stepper.step([batch], loss_fn)"
+        )
 
 
 def mark_last(iterable: Iterable[T]) -> Iterator[tuple[bool, T]]:

@@ -16,13 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
-from gradstep import windows
+from gradstep import parallel, windows
 
 from .config import ConfigError, TrainConfig
-from .data import IGNORE_INDEX, PAD_ID, Batch
+from .data import IGNORE_INDEX, PAD_ID, Batch, DataError, TextSource, TrainBatches
 from .preflight import check_global_batch
 
-__all__ = ["Layout", "layout_for", "merge_rows", "windows_of"]
+__all__ = ["Layout", "layout_for", "merge_rows", "rank_batches", "windows_of"]
 
 
 @dataclass(frozen=True)
@@ -81,3 +81,22 @@ def windows_of(stream: Iterator[Batch], layout: Layout) -> Iterator[list[Batch]]
     while True:
         rows = [next(stream) for _ in range(layout.rows_per_rank)]
         yield [merge_rows(rows[i : i + mbs]) for i in range(0, len(rows), mbs)]
+
+
+def rank_batches(
+    cfg: TrainConfig, source: TextSource, layout: Layout, rank: int, world: int
+) -> tuple[TrainBatches, list[Batch]]:
+    """This rank's resumable training stream and its validation batches."""
+    train_iter = source.train_batches(cfg.seq_len, layout.stream_rows, cfg.seed, rank, world)
+    val = source.validation_batches(
+        cfg.seq_len, layout.micro_batch_size, cfg.eval_batches, rank, world
+    )
+    # FSDP2 all-gathers in every forward: all ranks must evaluate as many batches.
+    val = val[: parallel.min_over_ranks(len(val))]
+    if not val:
+        raise DataError(
+            "the validation data gives some rank no batch of "
+            f"{cfg.micro_batch_size} sequences of --seq-len {cfg.seq_len}; give more (--val-data,"
+            " --val-fraction) or a smaller --micro-batch-size / --seq-len"
+        )
+    return train_iter, val

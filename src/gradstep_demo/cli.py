@@ -1,8 +1,9 @@
-"""Command line: ``gradstep train``, ``plan`` and ``report`` (more plug in the same way).
+"""Command line: ``gradstep train``, ``plan``, ``report`` and ``export`` (more plug in the
+same way).
 
-Flags are generated from :class:`~gradstep.config.TrainConfig` so the CLI, the TOML file
-and the dataclass can never disagree about a parameter's name, type or help text. Every
-flag defaults to "not given", so only flags actually typed override the TOML file.
+Flags are generated from :class:`~gradstep_demo.config.TrainConfig` so the CLI, the TOML
+file and the dataclass can never disagree about a parameter's name, type or help text.
+Every flag defaults to "not given", so only flags actually typed override the TOML file.
 
 Every user mistake ends as one line ``gradstep COMMAND: error: ...`` and exit status 2
 (``gradstep plan --json`` also prints it as ``{"error": ...}`` on stdout); a failure of the
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import errno
+import importlib
 import json
 import os
 import re
@@ -25,7 +27,10 @@ from gradstep.errors import GradstepError
 
 from .config import TrainConfig, load_toml, resolve
 
-__all__ = ["build_parser", "main"]
+__all__ = ["DEMO_EXTRA", "build_parser", "main"]
+
+DEMO_EXTRA = ("tqdm", "tomli") if sys.version_info < (3, 11) else ("tqdm",)
+"""What the command line needs beyond the library: ``pip install 'gradstep[demo]'``."""
 
 Handler = Callable[[argparse.Namespace], int]
 _METAVARS = {
@@ -273,8 +278,27 @@ def _fail(command: str, message: str, as_json: bool) -> None:
         print(json.dumps({"error": message}))
 
 
+def _missing_extra() -> list[str]:
+    """The packages of :data:`DEMO_EXTRA` this Python cannot import."""
+    missing = []
+    for name in DEMO_EXTRA:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    return missing
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``gradstep`` script; returns the process exit status."""
+    missing = _missing_extra()
+    if missing:  # the library alone was installed: say what to install, not a traceback
+        print(
+            f"gradstep: the command line needs {', '.join(missing)}, which the library does "
+            "not: pip install 'gradstep[demo]'",
+            file=sys.stderr,
+        )
+        return 1
     argv = list(sys.argv[1:] if argv is None else argv)
     as_json = _wants_json(argv)
     _Parser.last_error = None

@@ -37,11 +37,6 @@ from .config_checks import (
     validate,
 )
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on 3.10 only
-    import tomli as tomllib
-
 __all__ = [
     "PRECISIONS",
     "RESUME_AUTO",
@@ -326,12 +321,25 @@ def field_names() -> list[str]:
     return [f.name for f in dataclasses.fields(TrainConfig)]
 
 
+def _tomllib() -> Any:
+    """The TOML reader: the standard library's, or before Python 3.11 the demo extra's
+    tomli (imported here, so the command line starts without it and says what is missing)."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+
+        return tomllib
+    import tomli  # pragma: no cover - Python 3.10 only
+
+    return tomli  # pragma: no cover
+
+
 def load_toml(path: str | Path) -> dict[str, Any]:
     """Read a flat TOML file of TrainConfig keys (``a-b`` is accepted for ``a_b``).
 
     Keys may also sit under a ``[train]`` table. Unknown keys are an error rather than being
     ignored, so a typo never silently runs with the default.
     """
+    tomllib = _tomllib()
     try:
         with open(path, "rb") as fh:
             raw = tomllib.load(fh)

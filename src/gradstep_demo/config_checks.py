@@ -11,12 +11,10 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING
 
-from gradstep._validate import check_choice
 from gradstep.errors import GradstepError
 from gradstep.lr import LR_SCALING
 from gradstep.parallel import STRATEGIES, TIMEOUT_RANGE_S
 from gradstep.policies import parse_clip
-from gradstep.precision import PRECISIONS as _PRECISION_DTYPES
 
 if TYPE_CHECKING:
     from .config import TrainConfig
@@ -35,7 +33,8 @@ __all__ = [
     "validate",
 ]
 
-PRECISIONS = tuple(_PRECISION_DTYPES)
+PRECISIONS = ("fp32", "bf16", "fp16")
+"""``Stepper(precision=...)``'s names (tests/demo/test_boundary.py keeps them equal)."""
 DEVICES = ("auto", "cpu", "cuda", "mps")
 OPTIMIZERS = ("adamw", "sgd", "lars", "lamb")
 AUTO = "auto"  # --micro-batch-size auto
@@ -99,7 +98,7 @@ def validate(cfg: TrainConfig) -> None:
     _model(cfg)
     _run(cfg)
     for name, allowed in _CHOICES.items():
-        check_choice(flag(name), getattr(cfg, name), allowed, error=ConfigError)
+        _choice(name, getattr(cfg, name), allowed)
     if not 0.0 <= cfg.gns_beta < 1.0:
         raise ConfigError(f"--gns-beta must be in [0, 1), got {cfg.gns_beta}")
     kind, colon, index = cfg.device.partition(":")
@@ -111,6 +110,11 @@ def validate(cfg: TrainConfig) -> None:
         parse_clip(cfg.clip)
     except ValueError as exc:
         raise ConfigError(f"--clip: {exc}") from exc
+
+
+def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{flag(name)} must be one of {', '.join(allowed)}; got {value!r}")
 
 
 def _schedule(cfg: TrainConfig) -> None:

@@ -32,7 +32,7 @@ from .data import Batch
 from .model import GPT, GPTConfig
 
 __all__ = [
-    "HFLoss", "LogitsOnly", "build_model", "count_batch", "hf_config",
+    "HFLoss", "LogitsOnly", "build_model", "count_batch", "gpt_config", "hf_config",
     "load_tokenizer", "param_dtype",
 ]  # fmt: skip
 
@@ -48,21 +48,24 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 def build_model(cfg: TrainConfig) -> nn.Module:
     """The run's model on the CPU: the demo GPT, or the HF model ``cfg.model`` names."""
     if not cfg.is_hf:
-        return GPT(
-            GPTConfig(
-                n_layer=cfg.n_layer,
-                n_head=cfg.n_head,
-                d_model=cfg.d_model,
-                max_seq_len=cfg.seq_len,
-                dropout=cfg.dropout,
-            )
-        )
+        return GPT(gpt_config(cfg))
     model = _pretrained_or_random(cfg, hf_config(cfg))
     if not cfg.lora:
         return model
     from .hf_lora import add_lora  # it reads this module's notes: imported when used
 
     return add_lora(model, cfg)
+
+
+def gpt_config(cfg: TrainConfig) -> GPTConfig:
+    """The demo GPT's shape from the run's flags (``--n-layer``, ``--seq-len``, ...)."""
+    return GPTConfig(
+        n_layer=cfg.n_layer,
+        n_head=cfg.n_head,
+        d_model=cfg.d_model,
+        max_seq_len=cfg.seq_len,
+        dropout=cfg.dropout,
+    )
 
 
 def param_dtype(cfg: TrainConfig) -> torch.dtype:

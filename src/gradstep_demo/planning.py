@@ -13,11 +13,9 @@ its shape sweep runs the data's other lengths. Rank 0's plan is every rank's.
 
 from __future__ import annotations
 
-import contextlib
 import gc
-import io
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,14 +23,17 @@ import torch
 
 from gradstep import Stepper, parallel
 from gradstep.memory import (
+    BudgetTooSmall,
     Plan,
     ProbeResult,
-    TransformerShape,
+    available_bytes,
     bound_kernel_caches,
+    budget_text,
     checkpoint_blocks,
     current_bytes,
     estimate_step_memory,
     format_bytes,
+    needed_budget,
     parse_size,
     peak_bytes,
     pin_mmap_threshold,
@@ -42,13 +43,11 @@ from gradstep.memory import (
     reset_peak,
     runtime_bytes,
     step_predictor,
+    sweep_widths,
 )
-from gradstep.memory.hf_config import from_hf_config, lora_targets
-from gradstep.memory.model import Shape
-from gradstep.memory.plan import BudgetTooSmall, budget_text, needed_budget, sweep_widths
-from gradstep.memory.process import available_bytes
 
 from .config import ConfigError, TrainConfig
+from .estimate import estimate_kwargs, quiet, quiet_hf_config, shape_of
 from .model import GPTConfig
 
 __all__ = [
@@ -61,8 +60,6 @@ __all__ = [
     "shape_of",
 ]
 
-_COMPUTE = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-_OPTIMIZER = {"adamw": "adamw", "sgd": "sgd_momentum", "lars": "lars", "lamb": "lamb"}
 MARGIN = 0.1
 """Share of the budget the plan leaves free (prediction error, allocator slack)."""
 CPU_KERNEL_CACHE_BYTES = 24 * 2**20
@@ -109,63 +106,6 @@ class _Data:
     lengths: list[int] = field(default_factory=list)
     source: Any = None
     """Held while probing, so that the probe's baseline holds the data as the run will."""
-
-
-def shape_of(cfg: TrainConfig, width: int | None = None) -> Shape:
-    """The analytic model's shape of the run's model for rows of ``width`` (default
-    ``--seq-len``): the demo GPT's, or the HF model's from its config (with LoRA)."""
-    seq_len = width or cfg.seq_len
-    if cfg.is_hf:
-        config = _hf_config(cfg)
-        return from_hf_config(
-            config,
-            seq_len,
-            lora_rank=cfg.lora,
-            lora_targets=lora_targets(config, cfg.lora_targets) if cfg.lora else (),
-            lora_dropout=cfg.lora_dropout,
-        )
-    return TransformerShape(
-        n_layer=cfg.n_layer,
-        d_model=cfg.d_model,
-        n_head=cfg.n_head,
-        vocab_size=GPTConfig.vocab_size,
-        seq_len=seq_len,
-    )
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """The probe's own copy of the model says nothing: its notes (weights loaded, LoRA
-    targets, ...) are the run's, said when the run builds it."""
-    with contextlib.redirect_stderr(io.StringIO()):
-        yield
-
-
-def _hf_config(cfg: TrainConfig) -> Any:
-    """The HF config as the run adjusts it (router loss, no KV cache), said nothing about."""
-    from .hf_model import hf_config
-
-    with _quiet():
-        return hf_config(cfg)
-
-
-def estimate_kwargs(cfg: TrainConfig, device: torch.device, world: int) -> dict:
-    """What the analytic model needs besides the shape: precision, sharding, optimizer,
-    dropout (on CPU with dropout torch's attention takes the math path: s^2 matrices), and
-    for an HF model the dtype of its frozen base (LoRA; ``hf_model.param_dtype``)."""
-    out = {
-        "compute_dtype": _COMPUTE[cfg.precision],
-        "world_size": world,
-        "sharded": cfg.strategy == "fsdp",
-        "optimizer": _OPTIMIZER.get(cfg.optimizer, "adamw"),
-        "dropout": cfg.dropout,
-        "attention": "math" if cfg.dropout > 0 and device.type == "cpu" else "fused",
-    }
-    if cfg.is_hf:
-        from .hf_model import param_dtype
-
-        out.update(dropout=0.0, attention="fused", frozen_dtype=param_dtype(cfg))
-    return out
 
 
 def device_budget(cfg: TrainConfig, device: torch.device) -> int:
@@ -255,7 +195,7 @@ def _probe_model(cfg: TrainConfig, device: torch.device, checkpointing: bool) ->
     from .hf_model import build_model
     from .train import build_optimizer  # the run's param groups; train imports this module
 
-    with _quiet():
+    with quiet():
         model = build_model(cfg).to(device)
     if checkpointing:
         checkpoint_blocks(model)
@@ -263,9 +203,9 @@ def _probe_model(cfg: TrainConfig, device: torch.device, checkpointing: bool) ->
     return Stepper(model, build_optimizer(model, cfg), clip=None, precision=cfg.precision)
 
 
-def _agree_min(fits: bool) -> bool:
-    flag = torch.tensor([float(fits)], dtype=torch.float64)
-    return bool(parallel.all_reduce_sum(flag).item() == parallel.world_size())
+def _every_rank(flag: bool) -> bool:
+    """True on every rank when ``flag`` is true on every rank (one all-reduce)."""
+    return not parallel.agree(not flag)
 
 
 def _data(cfg: TrainConfig, source: Any = None) -> _Data:
@@ -277,7 +217,7 @@ def _data(cfg: TrainConfig, source: Any = None) -> _Data:
         from .data import load_source
         from .hf_model import load_tokenizer
 
-        with _quiet():
+        with quiet():
             source = load_source(cfg, load_tokenizer(cfg))
     lengths = [int(n) for n in source.lengths(cfg.seq_len, cfg.seed)]
     return _Data(max(lengths, default=cfg.seq_len), lengths, source)
@@ -287,7 +227,7 @@ def _batch_fn(cfg: TrainConfig, device: torch.device) -> tuple[Callable, Callabl
     """(rows, width) -> a micro-batch of random ids; the run's loss and count."""
     from .train import loss_for
 
-    vocab = _hf_config(cfg).vocab_size if cfg.is_hf else GPTConfig.vocab_size
+    vocab = quiet_hf_config(cfg).vocab_size if cfg.is_hf else GPTConfig.vocab_size
     gen = torch.Generator().manual_seed(0)
 
     def batch(rows: int, width: int) -> dict:
@@ -322,7 +262,7 @@ def _probe(
             # The plan's own bound: a run that plans itself peaks at least where the probe
             # did, and that too must leave the margin free.
             budget_bytes=int(budget * (1 - MARGIN)),
-            agree=_agree_min if world > 1 else None,
+            agree=_every_rank if world > 1 else None,
             shapes=lambda i: step(1, widths[i % len(widths)]),
             max_shapes=len(widths),
         )
@@ -348,9 +288,7 @@ def _probe_checkpointing(cfg: TrainConfig, device: torch.device, budget: int, wi
     naming the budget needed, when the process alone already exceeds the budget or even
     the smallest plan is estimated above it (the probe itself would break it). Every rank
     decides the same (the worst rank's numbers count): they then probe together."""
-    world = parallel.world_size()
-    kwargs = estimate_kwargs(cfg, device, world)
-    every = _agree_min if world > 1 else (lambda flag: flag)
+    kwargs = estimate_kwargs(cfg, device, parallel.world_size())
     shape = shape_of(cfg, width)
 
     def est(ckpt: bool) -> int:
@@ -362,7 +300,7 @@ def _probe_checkpointing(cfg: TrainConfig, device: torch.device, budget: int, wi
 
     in_use, smallest = current_bytes(device), est(True)
     usable = budget * (1 - MARGIN)  # what the probe may use, as the plan
-    if not every(in_use <= usable and smallest <= budget):
+    if not _every_rank(in_use <= usable and smallest <= budget):
         before = "already exceeded before probing" if in_use > budget else "too small"
         raise ConfigError(
             f"memory budget {format_bytes(budget)} is {before}: this process uses "
@@ -371,7 +309,7 @@ def _probe_checkpointing(cfg: TrainConfig, device: torch.device, budget: int, wi
             f"{format_bytes(smallest)} per rank: give --memory-budget "
             f"{budget_text(needed_budget(smallest, MARGIN))} or more"
         )
-    return not every(est(False) <= usable)
+    return not _every_rank(est(False) <= usable)
 
 
 def plan_run(

@@ -14,7 +14,7 @@ from gradstep import parallel
 
 from .config import ConfigError, TrainConfig
 
-__all__ = ["check_global_batch", "check_run"]
+__all__ = ["check_global_batch", "check_run", "gns_notes"]
 
 
 def check_run(cfg: TrainConfig, env: parallel.DistEnv, *, planning: bool = False) -> None:
@@ -81,3 +81,19 @@ def _check_plannable(cfg: TrainConfig) -> None:
             "gradstep plan needs --global-batch (sequences per optimizer step): the planner "
             "chooses how to split it"
         )
+
+
+def gns_notes(cfg: TrainConfig, micro_batches: int, world: int, given: frozenset[str]) -> list[str]:
+    """Noise-scale settings that would silently do nothing (``micro_batches``: per window
+    on each rank); lines to print, not refusals."""
+    if not cfg.measures_gns:
+        if "gns_beta" in given:
+            return ["note: --gns-beta has no effect without --gns or --batch-ramp gns"]
+        return []
+    if micro_batches * world < 2:
+        what = "--global-batch" if cfg.global_batch is not None else "--accum-steps"
+        return [
+            "note: --gns compares the micro-batches of a step with their sum and needs at "
+            f"least 2 per step over all ranks; with 1, gns_b_simple stays null: raise {what}"
+        ]
+    return []

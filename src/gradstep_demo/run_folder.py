@@ -28,9 +28,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from gradstep.checkpoint import Checkpointer, CheckpointInfo
-from gradstep.checkpoint.codec import decode
-from gradstep.checkpoint.layout import written_by_gradstep
+from gradstep.checkpoint import Checkpointer, CheckpointInfo, saved_state, written_by_gradstep
 from gradstep.metrics import FINISHED_FILE
 
 from .config import RESUME_AUTO, TrainConfig
@@ -257,10 +255,9 @@ def prepare(cfg: TrainConfig, info: CheckpointInfo | None) -> None:
 
 def saved_settings(info: CheckpointInfo) -> dict[str, Any] | None:
     """The settings the checkpointed run ran with (None for checkpoints that predate them)."""
-    entry = info.manifest["objects"].get("config")
-    if entry is None:
+    saved = saved_state(info.manifest, "config")
+    if saved is None:
         return None
-    saved = decode(entry["state"], {})
     if str(saved.get("model", "gpt")).startswith("hf:"):
         # Older checkpoints recorded the demo GPT's shape for an hf: model, where it never
         # applied (the model's config.json sets it): null, as a new run records.
@@ -271,8 +268,7 @@ def saved_settings(info: CheckpointInfo) -> dict[str, Any] | None:
 def schedule_horizon(info: CheckpointInfo) -> int | None:
     """The max_steps where the checkpointed run's LR schedule ends: saved with the schedule
     (it survives extensions), else (older checkpoints) the run's max_steps, else None."""
-    entry = info.manifest["objects"].get("scheduler")
-    state = decode(entry["state"], {}) if entry is not None and "state" in entry else None
+    state = saved_state(info.manifest, "scheduler")
     if isinstance(state, dict) and "max_steps" in state:
         return int(state["max_steps"])
     saved = saved_settings(info)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -14,9 +15,25 @@ from gradstep import parallel
 from .hf_model import LogitsOnly
 from .model import generate, generate_ids
 
-__all__ = ["SAMPLE_PROMPT", "build", "existing", "show"]
+__all__ = ["SAMPLE_PROMPT", "build", "existing", "final_losses", "show"]
 
 SAMPLE_PROMPT = b"def "
+
+
+def final_losses(progress: Any, steps: int, val_loss: float) -> dict[str, Any]:
+    """The loop's losses and throughput from its totals (``train``'s progress); the final
+    train loss is the token-weighted mean of the recent steps' finite losses."""
+    finite = [(loss, items) for loss, items in progress.recent if math.isfinite(loss)]
+    recent_tokens = sum(items for _, items in finite)
+    final_train = sum(lo * it for lo, it in finite) / recent_tokens if recent_tokens else math.nan
+    return {
+        "steps": steps,
+        "initial_val_loss": progress.initial_val_loss,
+        "final_val_loss": val_loss,
+        "final_train_loss": final_train,
+        "train_tokens": progress.tokens,
+        "train_tokens_per_s": progress.tokens / max(progress.step_time, 1e-9),
+    }
 
 
 def build(run: Any, losses: dict[str, Any], started: float) -> dict[str, Any]:

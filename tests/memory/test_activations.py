@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from gradstep import token_loss
 from gradstep.memory import TransformerShape, estimate_step_memory
 from gradstep.memory.activations import _Bytes, per_token_terms
+from gradstep_demo.estimate import gpt_shape
 from gradstep_demo.model import GPT, GPTConfig
 
 LOSS_SCALAR = 4  # the fp32 loss the forward returns, saved by the sum's backward
@@ -43,7 +44,7 @@ def saved_bytes(cfg: GPTConfig, rows: int, amp: bool) -> int:
 
 
 def formula_bytes(cfg: GPTConfig, rows: int, amp: bool) -> int:
-    shape = TransformerShape.from_gpt_config(cfg)
+    shape = gpt_shape(cfg)
     e_c = 2 if amp else 4
     attention = "math" if cfg.dropout > 0 else "fused"  # what torch runs on CPU
     t = per_token_terms(shape, _Bytes(4, e_c, 4, 4), cfg.dropout > 0, attention, rows)

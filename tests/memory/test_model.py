@@ -9,7 +9,7 @@ mlp out 8*16=128, norms 2*(8+8)=32 -> 544. Outside: embedding 16*8=128, final no
 import pytest
 import torch
 
-from gradstep.memory import TransformerShape, estimate_step_memory
+from gradstep.memory import OptimizerMemory, TransformerShape, estimate_step_memory
 from gradstep.memory.model import per_token_terms
 
 TINY = TransformerShape(n_layer=2, d_model=8, n_head=2, vocab_size=16, seq_len=4, d_ff=16)
@@ -28,13 +28,6 @@ def test_parameter_count():
     assert untied.params == P + 128
 
 
-def test_demo_gpt_shape_matches_the_real_model():
-    from gradstep_demo.model import GPT, GPTConfig
-
-    cfg = GPTConfig()
-    assert TransformerShape.from_gpt_config(cfg).params == GPT(cfg).num_parameters()
-
-
 def test_fp32_adamw_states():
     e = est()
     assert e.params == P * F32 == 4928
@@ -50,6 +43,64 @@ def test_optimizer_kinds():
     assert est(optimizer="none").optimizer == 0
     with pytest.raises(ValueError, match="optimizer must be one of"):
         est(optimizer="lion")
+
+
+def test_an_optimizer_described_by_its_numbers():
+    """Any optimizer, by what it holds: states kept per parameter, and its step's
+    temporaries in copies of all the parameters and of the largest tensor (qkv: 192)."""
+    lion = OptimizerMemory(states_per_param=1)  # one momentum, no temporaries
+    assert est(optimizer=lion).optimizer == P * F32 and est(optimizer=lion).step_temporaries == 0
+    odd = OptimizerMemory(states_per_param=3, step_params=0.5, step_largest=1)
+    e = est(optimizer=odd)
+    assert e.optimizer == 3 * P * F32
+    assert e.step_temporaries == (P // 2 + 192) * F32
+    assert e.step_peak == e.params + e.grads + e.optimizer + e.step_temporaries
+    for name in ("adamw", "lamb", "lars", "sgd_momentum", "sgd", "none"):
+        assert est(optimizer=OptimizerMemory.named(name)) == est(optimizer=name), name
+    for flag in (False, True):
+        named = OptimizerMemory.named("adamw", foreach=flag)
+        assert est(optimizer=named) == est(optimizer="adamw", foreach=flag)
+    with pytest.raises(ValueError, match="foreach"):
+        est(optimizer=lion, foreach=True)
+    with pytest.raises(ValueError, match="states_per_param must be a number >= 0"):
+        OptimizerMemory(states_per_param=-1)
+
+
+def test_an_optimizer_object_is_read_by_its_class_and_settings():
+    """torch's and gradstep's optimizers, as they are built: what each keeps is what its
+    state holds after one step, in tensors of the parameters' sizes."""
+    from gradstep.optim import LAMB, LARS
+
+    def kept(opt: torch.optim.Optimizer, w: torch.nn.Parameter) -> int:
+        w.grad = torch.ones_like(w)
+        opt.step()
+        return sum(
+            t.numel() // w.numel()
+            for t in opt.state[w].values()
+            if torch.is_tensor(t) and t.shape == w.shape
+        )
+
+    builds = [
+        lambda w: torch.optim.AdamW([w]),
+        lambda w: torch.optim.Adam([w], amsgrad=True),
+        lambda w: torch.optim.SGD([w], lr=0.1, momentum=0.9),
+        lambda w: torch.optim.SGD([w], lr=0.1),
+        lambda w: LARS([w], lr=0.1, momentum=0.9),
+        lambda w: LAMB([w], lr=0.1),
+    ]
+    for build in builds:
+        w = torch.nn.Parameter(torch.randn(4, 3))
+        opt = build(w)
+        memory = OptimizerMemory.of(opt)
+        assert memory.states_per_param == kept(opt, w), type(opt).__name__
+    assert OptimizerMemory.of(builds[0](torch.nn.Parameter(torch.ones(2)))) == (
+        OptimizerMemory.named("adamw")
+    )
+    assert OptimizerMemory.of(builds[5](torch.nn.Parameter(torch.ones(2)))) == (
+        OptimizerMemory.named("lamb")
+    )
+    with pytest.raises(ValueError, match="Adagrad is not known: describe it as"):
+        OptimizerMemory.of(torch.optim.Adagrad([torch.nn.Parameter(torch.ones(2))]))
 
 
 def test_bf16_params_get_fp32_accumulation_buffers():

@@ -2,6 +2,9 @@
 
 ``Checkpointer(directory, keep=3).save(step, model=..., optimizer=..., ...)`` writes one
 folder per checkpoint; ``load_latest(**same_names)`` restores the newest one that verifies.
+``saved_state(info.manifest, name)`` reads one object's saved state without loading
+anything (e.g. the settings a run is rebuilt from); ``written_by_gradstep(folder)`` tells
+gradstep's checkpoint folders from anyone else's.
 
 Layout of ``directory`` (one writer at a time)::
 
@@ -56,11 +59,13 @@ protocol and the manifest), :mod:`.codec` (strict JSON and safetensors files),
 from __future__ import annotations
 
 from .checkpointer import Checkpointer, CheckpointInfo, elastic_accum_steps
+from .codec import saved_state
 from .errors import CheckpointError
 from .fingerprint import Fingerprint, base_fingerprint
 from .layout import FORMAT as FORMAT
 from .layout import FORMAT_VERSION as FORMAT_VERSION
 from .layout import MANIFEST as MANIFEST
+from .layout import written_by_gradstep
 
 __all__ = [
     "CheckpointError",
@@ -69,4 +74,6 @@ __all__ = [
     "Fingerprint",
     "base_fingerprint",
     "elastic_accum_steps",
+    "saved_state",
+    "written_by_gradstep",
 ]

@@ -26,7 +26,7 @@ from .._version import __version__
 from ..parallel import collectives
 
 # The protocol's steps are called through the module, not imported by name, so that the
-# SIGKILL tests (tests/checkpoint_kill_child.py) can hook each one.
+# SIGKILL tests (tests/checkpoint/kill_child.py) can hook each one.
 from . import layout
 from .codec import decode, encode, read_tensor_file, write_tensor_file
 from .errors import CheckpointError, not_saved
@@ -46,7 +46,8 @@ from .state import (
 
 __all__ = ["CheckpointInfo", "Checkpointer", "NamedObject", "elastic_accum_steps"]
 
-# The package's name, as before the split: where users and tests configure its warnings.
+# The package's name, not this module's: one logger for every checkpoint warning, where users
+# and tests configure them.
 logger = logging.getLogger("gradstep.checkpoint")
 
 
@@ -61,8 +62,7 @@ def elastic_accum_steps(accum_steps: int, saved_world_size: int, world_size: int
         ("saved_world_size", saved_world_size),
         ("world_size", world_size),
     ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise CheckpointError(f"{name} must be an int >= 1, got {value!r}")
+        check_int(name, value, 1, "elastic_accum_steps", CheckpointError)
     total = accum_steps * saved_world_size
     if total % world_size:
         raise CheckpointError(

@@ -22,7 +22,7 @@ import torch
 from .errors import CheckpointError, write_failed
 from .layout import fsync
 
-__all__ = ["decode", "encode", "read_tensor_file", "write_tensor_file"]
+__all__ = ["decode", "encode", "read_tensor_file", "saved_state", "write_tensor_file"]
 
 _TAG = "__gradstep__"
 
@@ -139,3 +139,20 @@ def decode(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
     if tag == "dict":
         return {decode(k, tensors): decode(v, tensors) for k, v in value["v"]}
     raise CheckpointError(f"unknown tag {tag!r} in checkpoint state (newer gradstep?)")
+
+
+def saved_state(manifest: Mapping[str, Any], name: str) -> Any:
+    """The state object ``name`` was checkpointed with, read from a checkpoint's
+    ``manifest`` (``CheckpointInfo.manifest``: already verified, no file is read), for
+    deciding before anything is built (a run's saved settings, a schedule's horizon).
+    None when the checkpoint holds no such object or no state of it (a model, an
+    optimizer). State holding tensors is refused: those are in the object's file."""
+    entry = manifest.get("objects", {}).get(name)
+    if entry is None or "state" not in entry:
+        return None
+    try:
+        return decode(entry["state"], {})
+    except KeyError:
+        raise CheckpointError(
+            f"the state of {name!r} holds tensors: load it with Checkpointer.load"
+        ) from None

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from ..parallel import collectives
+from ..parallel.dtensor import to_local
 from .errors import CheckpointError
 from .state import listed
 
@@ -133,15 +134,11 @@ def _frozen(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return sorted(((n, p) for n, p in params if not p.requires_grad), key=lambda np: np[0])
 
 
-def _local(p: torch.Tensor) -> torch.Tensor:
-    return p.to_local() if hasattr(p, "to_local") else p
-
-
 def _identity(frozen: list[tuple[str, torch.Tensor]]) -> tuple:
     """What changes when a frozen parameter is replaced or written in place."""
     out = []
     for name, p in frozen:
-        local = _local(p)
+        local = to_local(p)
         out.append((name, local.data_ptr(), local._version, p.dtype, tuple(p.shape)))
     return tuple(out)
 
@@ -223,9 +220,9 @@ def check_base(path: Path, name: str, entry: dict[str, Any], module: nn.Module) 
     saved = Fingerprint.from_json(entry.get("base_fingerprint"))
     if saved is None:
         logger.warning(
-            "checkpoint %s holds only trainable parameters and records no base fingerprint "
-            "(saved before gradstep recorded one): the frozen base it is loaded onto cannot "
-            "be checked; make sure it is the base the run was trained on",
+            "checkpoint %s holds only trainable parameters and records no base fingerprint: "
+            "the frozen base it is loaded onto cannot be checked; make sure it is the base "
+            "the run was trained on",
             path,
         )
         return

@@ -259,7 +259,7 @@ def dcp_prepare(
         for k, v in meta.items()
         if k.startswith("model.")
     }
-    if trainable_only:  # saved before buffers were left out: they are not loaded either
+    if trainable_only:  # buffers are never loaded into a trainable-only model, even if saved
         saved = {k: v for k, v in saved.items() if k not in _buffer_names(model)}
     problems = module_problems(saved, expected_shapes(model, trainable_only))
     options = _options(trainable_only)

@@ -12,11 +12,12 @@ shapes alone (before anything is allocated):
 :class:`MemoryEstimate` is the most of that kind alive at any point of the step, so the
 fields may add up to more than ``total`` (gradients, say, are complete only at the step).
 
-Activation terms were derived for ``gradstep_demo.model.GPT`` (pre-norm LayerNorm blocks,
-fused SDPA attention, rotary q/k, GELU MLP, tied head) with ``gradstep.token_loss``, and
-checked tensor by tensor against what autograd saves (``saved_tensors_hooks``) and against
-the CPU allocator's live bytes (profiler memory events): the formula matches both to < 1%
-for fp32, bf16 and fp32-with-bf16-autocast. Korthikanti et al. (2022, "Reducing Activation
+Activation terms were derived for the decoder :class:`TransformerShape` describes (pre-norm
+LayerNorm blocks, fused SDPA attention, rotary q/k, GELU MLP, tied head) with
+``gradstep.token_loss``, and checked on the demo's GPT, which has that layout, tensor by
+tensor against what autograd saves (``saved_tensors_hooks``) and against the CPU
+allocator's live bytes (profiler memory events): the formula matches both to < 1% for fp32,
+bf16 and fp32-with-bf16-autocast. Korthikanti et al. (2022, "Reducing Activation
 Recomputation in Large Transformer Models") is the template; the differences are what this
 model keeps: RoPE's rotated q and k (+2d), no s^2 score matrix with fused attention (CPU
 flash and CUDA flash/efficient keep only a logsumexp per head and token; with dropout on
@@ -35,7 +36,7 @@ from .activations import ATTENTION, _Bytes, activations, per_token_terms
 from .hf_activations import hf_activations
 from .hf_shape import HFShape
 from .states import (
-    OPTIMIZER_STATES,
+    OptimizerMemory,
     _fsdp_unsharded,
     _grads_in_backward,
     _model_states,
@@ -45,6 +46,7 @@ from .states import (
 __all__ = [
     "HFShape",
     "MemoryEstimate",
+    "OptimizerMemory",
     "Shape",
     "TransformerShape",
     "estimate_step_memory",
@@ -54,7 +56,8 @@ __all__ = [
 
 @dataclass(frozen=True)
 class TransformerShape:
-    """Dimensions of a pre-norm decoder transformer (the demo GPT's layout by default).
+    """Dimensions of a pre-norm decoder transformer (by default the layout of the demo's GPT:
+    tied head, no linear biases, LayerNorms with bias, an MLP four times as wide).
 
     Parameter tensors per block: ``qkv (3d, d)``, ``attn out (d, d)``, ``fc (d_ff, d)``,
     ``mlp out (d, d_ff)`` (no biases, ``linear_bias=False``), and ``norms_per_block``
@@ -81,20 +84,6 @@ class TransformerShape:
             raise ValueError(
                 f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head})"
             )
-
-    @classmethod
-    def from_gpt_config(cls, cfg: object, seq_len: int | None = None) -> TransformerShape:
-        """The shape of a ``gradstep_demo.model.GPTConfig`` (``seq_len`` defaults to its max)."""
-        d = cfg.d_model  # type: ignore[attr-defined]
-        return cls(
-            n_layer=cfg.n_layer,  # type: ignore[attr-defined]
-            d_model=d,
-            n_head=cfg.n_head,  # type: ignore[attr-defined]
-            vocab_size=cfg.vocab_size,  # type: ignore[attr-defined]
-            seq_len=seq_len or cfg.max_seq_len,  # type: ignore[attr-defined]
-            d_ff=cfg.mlp_ratio * d,  # type: ignore[attr-defined]
-            tied_embeddings=cfg.tie_weights,  # type: ignore[attr-defined]
-        )
 
     @property
     def ffn(self) -> int:
@@ -191,13 +180,62 @@ def _size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _check_args(optimizer: str, micro_batch_size: int, world_size: int) -> None:
-    if optimizer not in OPTIMIZER_STATES:
-        raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_STATES)}, got {optimizer!r}")
+def _check_args(micro_batch_size: int, world_size: int, attention: str) -> None:
     if micro_batch_size < 1 or world_size < 1:
         raise ValueError(
             f"micro_batch_size and world_size must be >= 1, got {micro_batch_size}, {world_size}"
         )
+    if attention not in ATTENTION:
+        raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
+
+
+def _optimizer_memory(optimizer: str | OptimizerMemory, foreach: bool) -> OptimizerMemory:
+    if isinstance(optimizer, OptimizerMemory):
+        if foreach:
+            raise ValueError(
+                "foreach describes a named optimizer's temporaries; an OptimizerMemory gives "
+                "its own (step_params, step_largest): leave foreach False"
+            )
+        return optimizer
+    return OptimizerMemory.named(optimizer, foreach)
+
+
+def _sizes(
+    shape: Shape,
+    param_dtype: torch.dtype,
+    compute_dtype: torch.dtype | None,
+    frozen_dtype: torch.dtype | None,
+    sharded: bool,
+) -> _Bytes:
+    """Element sizes: trainable and frozen parameters, compute, the unsharded parameters
+    (FSDP2 all-gathers in its compute dtype) and the residual stream."""
+    e_p = _size(param_dtype)
+    e_f = _size(frozen_dtype) if frozen_dtype is not None else e_p
+    e_base = e_f if shape.trainable_params < shape.params else e_p
+    e_c = _size(compute_dtype) if compute_dtype is not None else e_base
+    e_u = e_c if sharded else e_base
+    return _Bytes(param=e_p, compute=e_c, residual=e_u, unsharded=e_u, frozen=e_f)
+
+
+def _activations(
+    shape: Shape, sizes: _Bytes, mbs: int, checkpointing: bool, dropout: float, attention: str
+) -> tuple[int, float]:
+    if isinstance(shape, HFShape):
+        return hf_activations(shape, sizes, mbs, checkpointing)
+    return activations(shape, sizes, mbs, checkpointing, dropout > 0, attention)
+
+
+def _weight_copies(shape: Shape, sizes: _Bytes, checkpointing: bool) -> int:
+    """autocast's cast copies of the matmul weights. Without checkpointing every block's
+    are saved; with it only the head's and the recomputed block's exist at once. LoRA's
+    adapters may be float32 over a bf16 base: each part is cast when its dtype is not the
+    compute dtype."""
+    blocks = 1 if checkpointing else None
+    e_c, e_u, e_p = sizes.compute, sizes.unsharded, sizes.param
+    if isinstance(shape, HFShape) and shape.lora:
+        copies = shape.matmul_numel(blocks, "base") * e_c if e_c != e_u else 0
+        return copies + (shape.matmul_numel(blocks, "adapters") * e_c if e_c != e_p else 0)
+    return shape.matmul_numel(blocks) * e_c if e_c != e_u else 0
 
 
 def estimate_step_memory(
@@ -206,7 +244,7 @@ def estimate_step_memory(
     *,
     param_dtype: torch.dtype = torch.float32,
     compute_dtype: torch.dtype | None = None,
-    optimizer: str = "adamw",
+    optimizer: str | OptimizerMemory = "adamw",
     accum_dtype: torch.dtype | None = None,
     world_size: int = 1,
     sharded: bool = False,
@@ -222,80 +260,100 @@ def estimate_step_memory(
     """Predicted bytes per device of one ``Stepper.step`` with micro-batches of
     ``micro_batch_size`` sequences of ``shape.seq_len`` tokens.
 
-    ``compute_dtype``: autocast's dtype (None: the parameter dtype). With ``sharded`` (FSDP2
-    over ``world_size`` ranks) it is the ``MixedPrecisionPolicy`` parameter dtype, as
-    ``gradstep.parallel.prepare_model(precision="bf16")`` sets it: the all-gathered
-    parameters, and so the whole forward, are in that dtype. ``accum_dtype``: None means
-    float32 buffers for bf16/fp16 parameters (what the Stepper does; not with FSDP2, which
-    accumulates itself). ``accum_steps``: micro-batches per step, None when unknown (then
-    gradients are counted as alive at the backward peak, the worst case). ``foreach``:
-    whether the optimizer uses its foreach implementation (torch's default on CUDA; on CPU
-    it loops over parameters). ``fixed_bytes``: the runtime's own cost (CUDA context is not
-    in ``max_memory_allocated``; on CPU, interpreter + torch: measure it or probe it).
-    ``dropout``: the model's dropout probability (masks are kept when it is > 0);
-    ``attention``: ``"fused"`` or ``"math"`` (what torch runs on CPU with attention
-    dropout: s^2 matrices per head), see :data:`gradstep.memory.activations.ATTENTION`.
-    Both are the demo GPT's: an :class:`HFShape` carries its own dropout.
-
-    ``shape`` is a :class:`TransformerShape` (the demo GPT) or an :class:`HFShape` (a Hugging
-    Face decoder, :func:`gradstep.memory.hf_config.from_hf_config`). ``param_dtype`` is the
-    dtype of the trainable parameters; ``frozen_dtype`` that of frozen ones (LoRA's base; None:
-    ``param_dtype``), which is then also the dtype the forward's activations start in.
+    ``shape``: a :class:`TransformerShape` or an :class:`HFShape` (a Hugging Face decoder,
+    :func:`gradstep.memory.hf_config.from_hf_config`). ``param_dtype``/``frozen_dtype``: the
+    trainable/frozen parameters' (LoRA's base; None: ``param_dtype``; also the dtype the
+    forward's activations start in). ``compute_dtype``: autocast's (None: the parameters');
+    with ``sharded`` (FSDP2 over ``world_size`` ranks) the ``MixedPrecisionPolicy``
+    parameter dtype ``gradstep.parallel.prepare_model(precision="bf16")`` sets, so the whole
+    forward runs in it. ``optimizer``: an :class:`OptimizerMemory`, or a name of
+    :meth:`OptimizerMemory.named` (``foreach``: its foreach implementation). ``accum_dtype``:
+    None means float32 buffers for bf16/fp16 parameters (the Stepper's; not with FSDP2,
+    which accumulates itself). ``accum_steps``: micro-batches per step, None when unknown
+    (the worst case: gradients alive at the backward peak, and under FSDP2 the
+    reduce-scatter buffers too). ``fixed_bytes``: the runtime's own cost (the CUDA context
+    is not in ``max_memory_allocated``; on CPU interpreter + torch: measure or probe it).
+    ``dropout`` (masks kept when > 0) and ``attention`` (``"fused"``, or ``"math"``: what
+    torch runs on CPU with attention dropout, s^2 matrices per head; see
+    :data:`gradstep.memory.activations.ATTENTION`) are a :class:`TransformerShape`'s: an
+    :class:`HFShape` carries its own dropout.
     """
-    _check_args(optimizer, micro_batch_size, world_size)
-    if attention not in ATTENTION:
-        raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
-    e_p = _size(param_dtype)
-    e_f = _size(frozen_dtype) if frozen_dtype is not None else e_p
-    e_base = e_f if shape.trainable_params < shape.params else e_p
-    e_c = _size(compute_dtype) if compute_dtype is not None else e_base
-    e_u = e_c if sharded else e_base
-    sizes = _Bytes(param=e_p, compute=e_c, residual=e_u, unsharded=e_u, frozen=e_f)
+    _check_args(micro_batch_size, world_size, attention)
+    sizes = _sizes(shape, param_dtype, compute_dtype, frozen_dtype, sharded)
     shards = sharded and world_size > 1
-    if accum_dtype is None and param_dtype in (torch.float16, torch.bfloat16) and not sharded:
+    accum = _accum_buffers(shape, param_dtype, accum_dtype, sharded)
+    opt_memory = _optimizer_memory(optimizer, foreach)
+    states = _model_states(shape, sizes, world_size if shards else 1, opt_memory)
+    acts = _activations(
+        shape, sizes, micro_batch_size, activation_checkpointing, dropout, attention
+    )
+    ckpt, sync, buffered = activation_checkpointing, sync_each_micro_batch, accum > 0
+    held = _held_in_backward(shape, sizes, shards, world_size, accum_steps, sync, ckpt, buffered)
+    copies = _weight_copies(shape, sizes, activation_checkpointing)
+    return _estimate(states, accum, acts, held, copies, fixed_bytes)
+
+
+def _accum_buffers(
+    shape: Shape, param_dtype: torch.dtype, accum_dtype: torch.dtype | None, sharded: bool
+) -> int:
+    """The Stepper's accumulation buffers (None: float32 for bf16/fp16 parameters; FSDP2
+    accumulates itself)."""
+    if accum_dtype is None and param_dtype in (torch.float16, torch.bfloat16):
         accum_dtype = torch.float32
-    buffered = accum_dtype is not None and accum_dtype != param_dtype and not sharded
-    states = _model_states(shape, sizes, world_size if shards else 1, optimizer, foreach)
-    params, grads, opt, step_tmp = states
-    accum = shape.trainable_params * _size(accum_dtype) if buffered and accum_dtype else 0
-    if isinstance(shape, HFShape):
-        acts, per_item = hf_activations(shape, sizes, micro_batch_size, activation_checkpointing)
-    else:
-        acts, per_item = activations(
-            shape, sizes, micro_batch_size, activation_checkpointing, dropout > 0, attention
-        )
-    g_bwd = _grads_in_backward(
+    if sharded or accum_dtype is None or accum_dtype == param_dtype:
+        return 0
+    return shape.trainable_params * _size(accum_dtype)
+
+
+def _held_in_backward(
+    shape: Shape,
+    sizes: _Bytes,
+    shards: bool,
+    world: int,
+    accum_steps: int | None,
+    sync_each_micro_batch: bool,
+    checkpointing: bool,
+    buffered: bool,
+) -> tuple[int, int]:
+    """(gradients, FSDP2's unsharded parameters and reduce-scatter buffers) alive at the
+    backward peak."""
+    grads = _grads_in_backward(
         shape,
         sizes,
         sharded=shards,
-        world=world_size,
+        world=world,
         accum_steps=accum_steps,
         sync_each_micro_batch=sync_each_micro_batch,
-        checkpointing=activation_checkpointing,
+        checkpointing=checkpointing,
         buffered=buffered,
     )
-    reduces = accum_steps == 1 or sync_each_micro_batch
-    unsharded = _fsdp_unsharded(shape, sizes, reduces) if shards else 0
-    # Without checkpointing every block's cast weights are saved; with it only the head's
-    # and the recomputed block's exist at once. LoRA's adapters may be float32 over a bf16
-    # base: each part is cast when its dtype is not the compute dtype.
-    blocks = 1 if activation_checkpointing else None
-    lora = isinstance(shape, HFShape) and shape.lora
-    copies = shape.matmul_numel(blocks, "base") * e_c if lora and e_c != e_u else 0
-    copies += shape.matmul_numel(blocks, "adapters") * e_c if lora and e_c != e_p else 0
-    if not lora and e_c != e_u:
-        copies = shape.matmul_numel(blocks) * e_c
-    backward = params + g_bwd + accum + opt + unsharded + copies + acts
+    # Unknown accumulation may be one micro-batch, which reduce-scatters in its backward.
+    reduces = accum_steps in (None, 1) or sync_each_micro_batch
+    return grads, _fsdp_unsharded(shape, sizes, reduces) if shards else 0
+
+
+def _estimate(
+    states: tuple[int, int, int, int],
+    accum: int,
+    acts: tuple[int, float],
+    held: tuple[int, int],
+    copies: int,
+    fixed: int,
+) -> MemoryEstimate:
+    """The two peaks from their parts: ``fixed + max(backward, step)``."""
+    params, grads, opt, step_tmp = states
+    (activation_bytes, per_item), (g_bwd, unsharded) = acts, held
+    backward = params + g_bwd + accum + opt + unsharded + copies + activation_bytes
     step = params + grads + accum + opt + step_tmp
     return MemoryEstimate(
         params=params,
         grads=grads,
         accum_buffers=accum,
         optimizer=opt,
-        activations=acts,
+        activations=activation_bytes,
         unsharded_block=unsharded,
-        fixed=fixed_bytes,
-        total=fixed_bytes + max(backward, step),
+        fixed=fixed,
+        total=fixed + max(backward, step),
         grads_in_backward=g_bwd,
         weight_copies=copies,
         step_temporaries=step_tmp,

@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
-from .model import TransformerShape, estimate_step_memory
+from .model import Shape, estimate_step_memory
 from .probe import ProbeResult
 from .units import format_bytes, parse_size
 
@@ -34,8 +34,9 @@ __all__ = [
 
 CHECKPOINT_FACTOR = 4 / 3
 """Step time with checkpointing / without when nothing is measured: backward costs about
-two forwards, so one recomputed forward adds a third. An upper estimate: the demo model
-on CPU measured 1.15 (bench/memory.py), its backward costing more than two forwards."""
+two forwards, so one recomputed forward adds a third. An upper estimate; calibrated on CPU,
+torch 2.13, the demo GPT, which measured 1.15 (bench/memory.py), its backward costing more
+than two forwards."""
 
 TIE = 0.1
 """Candidates within this fraction of the fastest predicted throughput are ties, decided by
@@ -187,7 +188,7 @@ def probe_step_time(
 
 
 def step_predictor(
-    shape: TransformerShape,
+    shape: Shape,
     *,
     probe: ProbeResult | None = None,
     probe_checkpointing: bool = False,
@@ -307,6 +308,22 @@ def _candidate(
     return cand, per_rank / seconds
 
 
+def _too_small(candidates: list[Candidate], budget: int, margin: float) -> BudgetTooSmall:
+    """The error when no candidate fits: the smallest one, and the budget that holds it."""
+    smallest = min(candidates, key=lambda c: c.predicted_peak_bytes)
+    need = needed_budget(smallest.predicted_peak_bytes, margin)
+    return BudgetTooSmall(
+        f"memory budget {format_bytes(budget)} is too small: with a {margin:.0%} safety "
+        f"margin {format_bytes(budget * (1 - margin))} is usable, and the smallest candidate "
+        f"(micro-batch {smallest.micro_batch_size}, activation checkpointing "
+        f"{'on' if smallest.activation_checkpointing else 'off'}) needs "
+        f"{format_bytes(smallest.predicted_peak_bytes)} per device: a budget of at "
+        f"least {budget_text(need)} fits it (that peak with the {margin:.0%} margin); "
+        "or shorten the sequences, shrink the model",
+        need,
+    )
+
+
 def plan_step(
     budget_bytes: int | str,
     global_batch: int,
@@ -344,18 +361,7 @@ def plan_step(
     ]
     fitting = [(c, tp) for c, tp in scored if c.fits]
     if not fitting:
-        smallest = min(scored, key=lambda s: s[0].predicted_peak_bytes)[0]
-        need = needed_budget(smallest.predicted_peak_bytes, margin)
-        raise BudgetTooSmall(
-            f"memory budget {format_bytes(budget)} is too small: with a {margin:.0%} safety "
-            f"margin {format_bytes(usable)} is usable, and the smallest candidate (micro-batch "
-            f"{smallest.micro_batch_size}, activation checkpointing "
-            f"{'on' if smallest.activation_checkpointing else 'off'}) needs "
-            f"{format_bytes(smallest.predicted_peak_bytes)} per device: a budget of at "
-            f"least {budget_text(need)} fits it (that peak with the {margin:.0%} margin); "
-            "or shorten the sequences, shrink the model",
-            need,
-        )
+        raise _too_small([c for c, _ in scored], budget, margin)
     best_tp = max(tp for _, tp in fitting)
     near = [c for c, tp in fitting if tp >= best_tp * (1 - TIE)]
     chosen = min(near, key=lambda c: (c.activation_checkpointing, -c.micro_batch_size))

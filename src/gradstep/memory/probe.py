@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .fit import _fit_bytes, _fit_mode, _fit_seconds, _predict_next
+from .probe_result import ProbeResult
 from .process import (
     KERNEL_CACHE_CAPACITY,
     _device,
@@ -59,93 +60,9 @@ __all__ = [
 
 SHAPE_SETTLED_BYTES = 2 * 2**20
 """A new input shape that leaves less than this resident does not grow the kernel caches
-any more (two in a row end the probe's shape sweep)."""
-
-
-@dataclass
-class ProbeResult:
-    """Measured peaks and the fit ``peak = fixed_bytes + per_item_bytes * b``."""
-
-    fixed_bytes: int
-    per_item_bytes: int
-    points: list[tuple[int, int, float]]
-    """``(b, peak bytes, seconds)`` per measured size, in the order run (seconds: see
-    ``_timed_peak``, CPU time on CPU)."""
-    seconds_total: float
-    """Wall time of the whole probe, warm-up included: what probing cost."""
-    source: str
-    """Where peaks came from: ``cuda_max_allocated``, ``vmhwm``, ``ru_maxrss (no reset)``."""
-    seconds_per_micro_batch: float = 0.0
-    """Fitted time of one ``run(b)`` = this + ``seconds_per_item * b``."""
-    seconds_per_item: float = 0.0
-    baseline_bytes: int = 0
-    """Memory in use before the probe (RSS, or CUDA memory_allocated)."""
-    warmup: tuple[int, int, float] | None = None
-    """The first unmeasured call ``(b, peak, seconds)``: it pays one-time costs (optimizer
-    state, kernel caches, thread pools) that would otherwise bend the line."""
-    skipped: list[int] = field(default_factory=list)
-    """Sizes not run because their predicted peak exceeded the budget."""
-    budget_bytes: int | None = None
-    fit: str = "peaks"
-    """``increments`` (peak minus bytes in use before each run) or ``peaks``: see _fit_mode."""
-    per_shape_bytes: int = 0
-    """CPU: what each further distinct micro-batch shape (a short last micro-batch) adds for
-    good (compiled kernels); ``fixed_bytes`` already includes one shape. See _per_shape."""
-    shape_bytes: int = 0
-    """What any number of further input shapes keeps resident beyond ``fixed_bytes``'s one
-    (measured by the shape sweep: the kernel caches filled to their bound), 0 without one."""
-    shapes_run: int = 0
-    """Input shapes the sweep ran (0: no sweep)."""
-    shapes_settled: bool = True
-    """False when the last shapes of the sweep still grew the process: the caches are not
-    bounded (see :func:`bound_kernel_caches`) and ``shape_bytes`` covers only
-    ``shapes_run`` shapes."""
-    shapes_unmeasured: bool = False
-    """The budget left no room to run a single further shape: ``shape_bytes`` is then not
-    measured but charged what the smallest size's step added above the probe's baseline
-    (model state, activations and the first shape's kernels: more than the kernels of other
-    shapes hold), so that a tight budget is refused, with the budget it needs, rather than
-    overrun by caches nobody measured."""
-    highest_bytes: int = 0
-    """The highest peak the probe itself reached (warm-ups, sizes, shape sweep): a process
-    that probes before it trains (``--micro-batch-size auto``) peaks at least there."""
-
-    @property
-    def one_size(self) -> bool:
-        """Only one size was measured (a tight budget): the per-item cost is an upper
-        bound (everything above the baseline charged to the items) and there is no time
-        per item."""
-        return len({p[0] for p in self.points}) < 2
-
-    def predict(self, b: int) -> int:
-        """Predicted peak bytes of ``run(b)``."""
-        return round(self.fixed_bytes + self.per_item_bytes * b)
-
-    def predict_seconds(self, b: int) -> float:
-        return self.seconds_per_micro_batch + self.seconds_per_item * b
-
-    def describe(self) -> str:
-        sizes = ", ".join(f"b={b}: {format_bytes(p)} in {s:.2f}s" for b, p, s in self.points)
-        note = f"; skipped (over budget) {self.skipped}" if self.skipped else ""
-        if self.one_size:
-            note += "; one size only: the per-item cost is an upper bound"
-        if self.shapes_run:
-            note += (
-                f"; {self.shapes_run} more input shapes keep "
-                f"{format_bytes(self.shape_bytes)} resident"
-            )
-            if not self.shapes_settled:
-                note += " and still grew (kernel caches not bounded)"
-        if self.shapes_unmeasured:
-            note += (
-                "; no room in the budget to run the data's other input shapes: charged "
-                f"{format_bytes(self.shape_bytes)} (the smallest step above the baseline) for them"
-            )
-        return (
-            f"probe ({self.source}): fixed {format_bytes(self.fixed_bytes)} + "
-            f"{format_bytes(self.per_item_bytes)}/item [{sizes}]{note}; "
-            f"took {self.seconds_total:.1f}s"
-        )
+any more (two in a row end the probe's shape sweep). Calibrated on CPU, torch 2.13, the
+demo GPT, where a new shape adds ~12 MiB while oneDNN's kernel caches fill
+(docs/memory.md)."""
 
 
 def _timed_peak(
@@ -323,12 +240,7 @@ def probe_memory(
     shapes leave behind stops growing (``ProbeResult.shape_bytes``).
     """
     dev = _device(device)
-    mode = {True: "each", False: "none"}.get(warmup, warmup)  # type: ignore[call-overload]
-    if mode not in ("each", "first", "none"):
-        raise ValueError(f"warmup must be 'each', 'first' or 'none', got {warmup!r}")
-    order = sorted({int(b) for b in sizes})
-    if not order or order[0] < 1:
-        raise ValueError(f"probe sizes must be integers >= 1, got {list(sizes)}")
+    mode, order = _mode_and_order(warmup, sizes)
     fit_mode = _fit_mode(fit, dev)
     source = reset_peak(dev)
     baseline = current_bytes(dev)
@@ -341,36 +253,96 @@ def probe_memory(
     fixed, slope, per_shape = _fit_bytes(
         ran.points, ran.befores, ran.warm_befores, baseline, fit_mode
     )
-    shape_bytes, shapes_run, settled, unmeasured = 0, 0, True, False
+    swept = _Swept()
     if shapes is not None and max_shapes > 0:
-        final, shapes_run, settled = _sweep_shapes(
-            shapes, max_shapes, dev, ran.points[0], ran.befores[0], budget_bytes, agree
-        )
-        shape_bytes = _shape_bytes(final, ran.befores, per_shape)
-        unmeasured = shapes_run == 0 and not settled  # the budget stopped the sweep at once
-        if unmeasured:
-            shape_bytes = max(ran.points[0][1] - baseline, 0)
+        swept = _sweep(shapes, max_shapes, dev, ran, baseline, budget_bytes, per_shape, agree)
+    fitted = _Fitted(fixed, slope, per_shape, fit_mode, source, baseline)
+    return _result(ran, fitted, swept, mode, budget_bytes, time.perf_counter() - start, dev)
+
+
+@dataclass
+class _Fitted:
+    """The byte fit of the sizes, and what it was measured against."""
+
+    fixed: float
+    slope: float
+    per_shape: float
+    fit: str
+    source: str
+    baseline: int
+
+
+def _result(
+    ran: _Sizes,
+    fitted: _Fitted,
+    swept: _Swept,
+    mode: str,
+    budget: int | None,
+    seconds: float,
+    dev: torch.device,
+) -> ProbeResult:
     # The high-water mark was last reset before the last size: it now also covers the sweep.
     highest = max([peak for _, peak, _ in [*ran.warmups, *ran.points]] + [peak_bytes(dev)])
-    total = time.perf_counter() - start
     t_fixed, t_item = _fit_seconds(ran.points, ran.warmups if mode == "each" else [])
     return ProbeResult(
-        fixed_bytes=round(fixed),
-        per_item_bytes=round(max(slope, 0.0)),
+        fixed_bytes=round(fitted.fixed),
+        per_item_bytes=round(max(fitted.slope, 0.0)),
         points=ran.points,
-        seconds_total=total,
-        source=source,
+        seconds_total=seconds,
+        source=fitted.source,
         seconds_per_micro_batch=t_fixed,
         seconds_per_item=t_item,
-        baseline_bytes=baseline,
+        baseline_bytes=fitted.baseline,
         warmup=ran.warmups[0] if ran.warmups else None,
         skipped=ran.skipped,
-        budget_bytes=budget_bytes,
-        fit=fit_mode,
-        per_shape_bytes=round(per_shape),
-        shape_bytes=shape_bytes,
-        shapes_run=shapes_run,
-        shapes_settled=settled,
-        shapes_unmeasured=unmeasured,
+        budget_bytes=budget,
+        fit=fitted.fit,
+        per_shape_bytes=round(fitted.per_shape),
+        shape_bytes=swept.shape_bytes,
+        shapes_run=swept.shapes_run,
+        shapes_settled=swept.settled,
+        shapes_unmeasured=swept.unmeasured,
         highest_bytes=highest,
     )
+
+
+def _mode_and_order(warmup: str | bool, sizes: Sequence[int]) -> tuple[str, list[int]]:
+    """The warm-up mode (``"each"``, ``"first"``, ``"none"``) and the sizes, ascending."""
+    mode = {True: "each", False: "none"}.get(warmup, warmup)  # type: ignore[call-overload]
+    if mode not in ("each", "first", "none"):
+        raise ValueError(f"warmup must be 'each', 'first' or 'none', got {warmup!r}")
+    order = sorted({int(b) for b in sizes})
+    if not order or order[0] < 1:
+        raise ValueError(f"probe sizes must be integers >= 1, got {list(sizes)}")
+    return mode, order
+
+
+@dataclass
+class _Swept:
+    """What the shape sweep found (the defaults: no sweep)."""
+
+    shape_bytes: int = 0
+    shapes_run: int = 0
+    settled: bool = True
+    unmeasured: bool = False
+
+
+def _sweep(
+    shapes: Callable[[int], None],
+    max_shapes: int,
+    dev: torch.device,
+    ran: _Sizes,
+    baseline: int,
+    budget: int | None,
+    per_shape: float,
+    agree: Callable[[bool], bool] | None,
+) -> _Swept:
+    """The shape sweep after the sizes, and what the full caches hold beyond the fit."""
+    final, shapes_run, settled = _sweep_shapes(
+        shapes, max_shapes, dev, ran.points[0], ran.befores[0], budget, agree
+    )
+    shape_bytes = _shape_bytes(final, ran.befores, per_shape)
+    unmeasured = shapes_run == 0 and not settled  # the budget stopped the sweep at once
+    if unmeasured:
+        shape_bytes = max(ran.points[0][1] - baseline, 0)
+    return _Swept(shape_bytes, shapes_run, settled, unmeasured)

@@ -39,20 +39,22 @@ _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
 CPU_KERNEL_RUNTIME_BYTES = 30 * 2**20
 """RSS a CPU process gains from its first training steps beyond the tensors and imports:
 code pages of libtorch/oneDNN paged in as kernels first run, thread pools, kernel caches.
-Calibrated with torch 2.13 (CPU, x86-64, demo GPT, 1-2 threads): 24 MiB fp32, 35 MiB bf16,
-independent of the batch. The probe measures it; this is only for the analytic estimate."""
+Calibrated on CPU, torch 2.13, the demo GPT (x86-64, 1-2 threads): 24 MiB fp32, 35 MiB
+bf16, independent of the batch. The probe measures it; this is only for the analytic
+estimate."""
 
 KERNEL_CACHE_CAPACITY = 64
 """Entries :func:`bound_kernel_caches` allows oneDNN's primitive cache and ideep's LRU
-cache. One step of the demo GPT at one input shape creates about 20 primitives, so 64 keep
-a run's shapes (micro-batch, short last micro-batch, evaluation) cached while bounding
-what a stream of new shapes can pin."""
+cache. Calibrated on CPU, torch 2.13, the demo GPT: one step at one input shape creates
+about 20 primitives, so 64 keep a run's shapes (micro-batch, short last micro-batch,
+evaluation) cached while bounding what a stream of new shapes can pin."""
 
 _KERNEL_CACHES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 
 CPU_DYNAMO_IMPORT_BYTES = 69 * 2**20
 """RSS of ``import torch._dynamo`` (with sympy, mpmath, ...: about 800 modules), which the
-first ``optimizer.step()`` triggers when nothing imported it before (torch 2.13)."""
+first ``optimizer.step()`` triggers when nothing imported it before. Calibrated on CPU,
+torch 2.13."""
 
 
 def _device(device: torch.device | str | None) -> torch.device:

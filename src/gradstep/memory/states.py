@@ -8,28 +8,93 @@ once, in its own dtype (``_Bytes.frozen``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+import torch
 
 from .activations import _Bytes
 
 if TYPE_CHECKING:
     from .model import Shape
 
-__all__: list[str] = []
+__all__ = ["OptimizerMemory"]
 
-OPTIMIZER_STATES = {
-    "adamw": 2,
-    "adam": 2,
-    "lamb": 2,
-    "lars": 1,
-    "sgd_momentum": 1,
-    "sgd": 0,
-    "none": 0,
+
+@dataclass(frozen=True)
+class OptimizerMemory:
+    """What an optimizer holds besides parameters and gradients, counted in tensors of its
+    trainable parameters' sizes (in the parameters' dtype, as torch keeps them).
+
+    ``states_per_param``: kept between steps (AdamW's ``exp_avg`` and ``exp_avg_sq``: 2; a
+    momentum buffer: 1; plain SGD: 0). ``step_params``: temporaries its ``step()`` holds at
+    once, in copies of every trainable parameter (AdamW with foreach: 1; LAMB, which needs
+    every update before its trust ratios: 1). ``step_largest``: temporaries the size of the
+    largest trainable tensor (AdamW's loop: 2, ``sqrt(v)`` and its quotient; LARS: 1).
+
+    :meth:`named` gives the optimizers the library knows by name, :meth:`of` reads an
+    optimizer object; any other optimizer is described by these three numbers.
+    """
+
+    states_per_param: float
+    step_params: float = 0
+    step_largest: float = 0
+
+    def __post_init__(self) -> None:
+        for name in ("states_per_param", "step_params", "step_largest"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"OptimizerMemory.{name} must be a number >= 0, got {value!r}")
+
+    @classmethod
+    def named(cls, name: str, foreach: bool = False) -> OptimizerMemory:
+        """One of :data:`NAMED_OPTIMIZERS`: torch's AdamW/Adam and SGD (with momentum:
+        ``sgd_momentum``), gradstep's LARS and LAMB, or ``none``. ``foreach``: AdamW/Adam's
+        foreach implementation (torch's default on CUDA; on CPU it loops over parameters)."""
+        if name not in NAMED_OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {sorted(NAMED_OPTIMIZERS)}, got {name!r}")
+        if name in ("adamw", "adam"):
+            return cls(2, step_params=1) if foreach else cls(2, step_largest=2)
+        return NAMED_OPTIMIZERS[name]
+
+    @classmethod
+    def of(cls, optimizer: torch.optim.Optimizer) -> OptimizerMemory:
+        """The memory of ``optimizer`` (torch's Adam, AdamW or SGD, gradstep's LARS or LAMB),
+        from its class and settings: AMSGrad keeps a third state, SGD without momentum none.
+        A ``foreach`` left to torch (None) is read as the loop, what torch runs on CPU."""
+        from ..optim import LAMB, LARS  # the optimizers' module needs nothing from here
+
+        groups = optimizer.param_groups
+        if isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+            amsgrad = any(g.get("amsgrad") for g in groups)
+            named = cls.named("adamw", foreach=any(g.get("foreach") for g in groups))
+            return dataclasses.replace(named, states_per_param=2 + amsgrad)
+        if isinstance(optimizer, torch.optim.SGD):
+            momentum = any(g.get("momentum") for g in groups)
+            return cls.named("sgd_momentum" if momentum else "sgd")
+        for kind, name in ((LAMB, "lamb"), (LARS, "lars")):
+            if isinstance(optimizer, kind):
+                return cls.named(name)
+        raise ValueError(
+            f"the memory of a {type(optimizer).__name__} is not known: describe it as "
+            "gradstep.memory.OptimizerMemory(states_per_param=N, step_params=..., "
+            "step_largest=...)"
+        )
+
+
+NAMED_OPTIMIZERS = {
+    "adamw": OptimizerMemory(2, step_largest=2),
+    "adam": OptimizerMemory(2, step_largest=2),
+    "lamb": OptimizerMemory(2, step_params=1, step_largest=2),
+    "lars": OptimizerMemory(1, step_largest=1),
+    "sgd_momentum": OptimizerMemory(1),
+    "sgd": OptimizerMemory(0),
+    "none": OptimizerMemory(0),
 }
-"""Tensors of parameter size the optimizer keeps per parameter (in the parameter's dtype:
-AdamW's and LAMB's exp_avg and exp_avg_sq, the SGD/LARS momentum buffer)."""
+"""The optimizers :meth:`OptimizerMemory.named` knows (AdamW/Adam: without foreach)."""
 
 _FP32 = 4
 
@@ -93,17 +158,14 @@ def _fsdp_unsharded(shape: Shape, b: _Bytes, reduces: bool) -> int:
 
 
 def _model_states(
-    shape: Shape, b: _Bytes, world: int, optimizer: str, foreach: bool
+    shape: Shape, b: _Bytes, world: int, optimizer: OptimizerMemory
 ) -> tuple[int, int, int, int]:
     """(params, grads, optimizer state, optimizer-step temporaries) on this device.
 
     ``world`` > 1: FSDP2 shards, per tensor, dim 0 padded to a multiple of ``world``.
-    Temporaries: AdamW with foreach makes one parameter-sized temporary for the whole list,
-    its loop two of the largest tensor (sqrt(v) and its quotient by the bias correction) at
-    a time; LAMB holds every parameter's update at once (the trust ratios need all norms
-    first) plus those two; LARS one weight-decayed gradient at a time. Frozen parameters
-    (LoRA's base) have no gradient, optimizer state or step temporaries, and are held in
-    their own dtype (``b.frozen``).
+    Optimizer state and temporaries are in tensors of the trainable parameters' sizes
+    (:class:`OptimizerMemory`). Frozen parameters (LoRA's base) have no gradient, optimizer
+    state or step temporaries, and are held in their own dtype (``b.frozen``).
     """
     count = (lambda shapes: _shard_numel(shapes, world)) if world > 1 else _numel
     trained = shape.trainable_tensors()
@@ -111,11 +173,6 @@ def _model_states(
     frozen = count(shape.all_tensors()) - grads  # FSDP2 pads per tensor: shard both alike
     params = grads * b.param + frozen * (b.frozen or b.param)
     largest = max(math.prod(s) for s in trained)
-    step_tmp = {
-        "adamw": grads if foreach else 2 * largest,
-        "adam": grads if foreach else 2 * largest,
-        "lamb": grads + 2 * largest,
-        "lars": largest,
-    }.get(optimizer, 0)
-    opt = OPTIMIZER_STATES[optimizer] * grads
+    step_tmp = round(optimizer.step_params * grads + optimizer.step_largest * largest)
+    opt = round(optimizer.states_per_param * grads)
     return params, grads * b.param, opt * b.param, step_tmp * b.param

@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import nn
 
-from . import _checks
+from .._validate import check_number
 
 __all__ = ["param_groups"]
 
@@ -29,7 +29,7 @@ def param_groups(
     Under FSDP2 call it on the sharded model: ``ndim`` of a DTensor is the whole
     parameter's, so the split is the same on every rank and as on one process.
     """
-    wd = _checks.number("param_groups", "weight_decay", weight_decay)
+    wd = check_number("weight_decay", weight_decay, "param_groups")
     names = [no_decay] if isinstance(no_decay, str) else list(no_decay)
     if not all(isinstance(n, str) for n in names):
         raise TypeError(f"param_groups: no_decay must be parameter names (str), got {names!r}")

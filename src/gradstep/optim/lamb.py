@@ -9,8 +9,9 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from . import _checks
-from ._shards import local, norm_dtype, reduce_over_shards, shard_groups, whole_norms
+from .._validate import check_flag, check_number, check_params
+from ..parallel.dtensor import shard_groups, to_local, wide_dtype
+from ._shards import reduce_over_shards, whole_norms
 
 __all__ = ["LAMB"]
 
@@ -70,16 +71,9 @@ class LAMB(Optimizer):
         corrected_weight_decay: bool = False,
         foreach: bool | None = None,
     ) -> None:
-        if max_grad_norm is not None:
-            try:
-                bad = _checks.number(_OWNER, "max_grad_norm", max_grad_norm) == 0
-            except (TypeError, ValueError):
-                bad = True
-            if bad:
-                raise ValueError(
-                    f"{_OWNER}: max_grad_norm must be a finite number > 0 or None, got "
-                    f"{max_grad_norm!r}"
-                )
+        check_number(
+            "max_grad_norm", max_grad_norm, _OWNER, above=True, optional=True, error=ValueError
+        )
         defaults = dict(
             lr=lr,
             bias_correction=bias_correction,
@@ -96,10 +90,10 @@ class LAMB(Optimizer):
             # The peak lr for corrected decay (lr^2 / max_lr): the constructor's, before a
             # schedule changes group["lr"].
             max_lr_snapshot=float(lr) if isinstance(lr, (int, float)) else lr,
-            foreach=_checks.optional_flag(_OWNER, "foreach", foreach),
+            foreach=check_flag("foreach", foreach, _OWNER, optional=True),
         )
         _check_group(defaults)
-        super().__init__(_checks.params(_OWNER, params), defaults)
+        super().__init__(check_params(params, _OWNER), defaults)
         for group in self.param_groups:
             _check_group(group)
             if group["max_grad_norm"] != max_grad_norm:
@@ -142,7 +136,7 @@ class LAMB(Optimizer):
         if adapted:
             _adapt(adapted)
         for it in items:
-            local(it.p).add_(it.update, alpha=-it.group["lr"])
+            to_local(it.p).add_(it.update, alpha=-it.group["lr"])
         return loss
 
     def _clip_divisor(self, params: list[torch.Tensor]) -> torch.Tensor | None:
@@ -150,7 +144,7 @@ class LAMB(Optimizer):
         max_norm = self.defaults["max_grad_norm"]
         if max_norm is None:
             return None
-        grads = [local(p.grad) for p in params]
+        grads = [to_local(p.grad) for p in params]
         norms = whole_norms(grads, [shard_groups(p) for p in params])
         return (torch.linalg.vector_norm(norms) / max_norm).clamp_(min=1.0)
 
@@ -166,10 +160,10 @@ class LAMB(Optimizer):
         step = float(state["step"])
         beta1, beta2 = group["betas"]
         beta3 = 1 - beta1 if group["grad_averaging"] else 1.0
-        grad = local(p.grad)
+        grad = to_local(p.grad)
         if clip is not None:
             grad = grad / clip.to(grad.dtype)
-        m, v = local(state["exp_avg"]), local(state["exp_avg_sq"])
+        m, v = to_local(state["exp_avg"]), to_local(state["exp_avg_sq"])
         if beta3 == 1 - beta1:
             m.lerp_(grad, beta3)
         else:
@@ -187,7 +181,7 @@ def _apply_caution(items: list[_Item]) -> None:
     """Cautious optimizers (Liang et al. 2024): keep the components whose sign agrees with
     the gradient, rescaled by the kept fraction of the whole tensor (a reduced mean)."""
     masks = [(it.update * it.grad > 0).to(it.grad.dtype) for it in items]
-    sums = torch.stack([m.sum(dtype=norm_dtype([m])) for m in masks])
+    sums = torch.stack([m.sum(dtype=wide_dtype([m])) for m in masks])
     sums = reduce_over_shards(sums, [shard_groups(it.p) for it in items])
     numel = torch.tensor([it.p.numel() for it in items], dtype=sums.dtype, device=sums.device)
     scale = (sums / numel).clamp_(min=1e-3)
@@ -199,7 +193,7 @@ def _weight_decay(it: _Item) -> None:
     group, wd = it.group, it.group["weight_decay"]
     if wd == 0:
         return
-    w = local(it.p)
+    w = to_local(it.p)
     if group["decoupled_decay"]:
         lr = group["lr"]
         scale = lr**2 / group["max_lr_snapshot"] if group["corrected_weight_decay"] else lr
@@ -211,7 +205,7 @@ def _weight_decay(it: _Item) -> None:
 def _adapt(items: list[_Item]) -> None:
     """Scale each update by its trust ratio; [||w||..., ||update||...] in one reduction."""
     layouts = [shard_groups(it.p) for it in items]
-    norms = whole_norms([local(it.p) for it in items] + [it.update for it in items], layouts * 2)
+    norms = whole_norms([to_local(it.p) for it in items] + [it.update for it in items], layouts * 2)
     w_norm, u_norm = norms.split(len(items))
     clip = torch.tensor([bool(it.group["trust_clip"]) for it in items], device=norms.device)
     for it, r in zip(items, _lamb_ratios(w_norm, u_norm, clip).unbind(0), strict=True):
@@ -220,15 +214,15 @@ def _adapt(items: list[_Item]) -> None:
 
 def _check_group(group: dict[str, Any]) -> None:
     for name in ("lr", "eps", "weight_decay"):
-        _checks.number(_OWNER, name, group[name])
+        check_number(name, group[name], _OWNER)
     betas = group["betas"]
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise TypeError(f"{_OWNER}: betas must be a pair (beta1, beta2), got {betas!r}")
     for name, beta in zip(("betas[0]", "betas[1]"), betas, strict=True):
-        _checks.number(_OWNER, name, beta, 0.0, 1.0)
+        check_number(name, beta, _OWNER, high=1.0)
     for name in ("bias_correction", "grad_averaging", "trust_clip", "always_adapt", "caution",
                  "decoupled_decay", "corrected_weight_decay"):  # fmt: skip
-        _checks.flag(_OWNER, name, group[name])
+        check_flag(name, group[name], _OWNER)
     if group["corrected_weight_decay"] and not group["max_lr_snapshot"] > 0:
         raise ValueError(
             f"{_OWNER}: corrected_weight_decay needs a positive peak lr (lr^2 / max_lr), got "

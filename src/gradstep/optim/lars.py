@@ -8,8 +8,9 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from . import _checks
-from ._shards import local, shard_groups, whole_norms
+from .._validate import check_flag, check_number, check_params
+from ..parallel.dtensor import shard_groups, to_local
+from ._shards import whole_norms
 
 __all__ = ["LARS"]
 
@@ -78,10 +79,10 @@ class LARS(Optimizer):
             eps=eps,
             trust_clip=trust_clip,
             always_adapt=always_adapt,
-            foreach=_checks.optional_flag(_OWNER, "foreach", foreach),
+            foreach=check_flag("foreach", foreach, _OWNER, optional=True),
         )
         _check_group(defaults)
-        super().__init__(_checks.params(_OWNER, params), defaults)
+        super().__init__(check_params(params, _OWNER), defaults)
         for group in self.param_groups:  # a group may override any of the defaults
             _check_group(group)
 
@@ -104,8 +105,8 @@ class LARS(Optimizer):
         adapted = [(g, p) for g, p in work if g["weight_decay"] != 0 or g["always_adapt"]]
         ratios: dict[int, torch.Tensor] = {}
         if adapted:
-            ws = [local(p) for _, p in adapted]
-            gs = [local(p.grad) for _, p in adapted]
+            ws = [to_local(p) for _, p in adapted]
+            gs = [to_local(p.grad) for _, p in adapted]
             layouts = [shard_groups(p) for _, p in adapted]
             # [||w|| for each, ||g|| for each]: both halves in one reduction.
             norms = whole_norms(ws + gs, layouts + layouts)
@@ -117,7 +118,7 @@ class LARS(Optimizer):
         return loss
 
     def _update(self, group: dict[str, Any], p: torch.Tensor, ratio: torch.Tensor | None) -> None:
-        w, grad = local(p), local(p.grad)
+        w, grad = to_local(p), to_local(p.grad)
         if ratio is not None:
             grad = grad.add(w, alpha=group["weight_decay"]).mul_(ratio.to(grad.dtype))
         momentum = group["momentum"]
@@ -127,20 +128,19 @@ class LARS(Optimizer):
             if buf is None:
                 # Like p (a DTensor under FSDP2) so that the state checkpoints as p does.
                 buf = state["momentum_buffer"] = torch.zeros_like(p)
-                local(buf).copy_(grad)
+                to_local(buf).copy_(grad)
             else:
-                local(buf).mul_(momentum).add_(grad, alpha=1.0 - group["dampening"])
-            grad = grad.add(local(buf), alpha=momentum) if group["nesterov"] else local(buf)
+                to_local(buf).mul_(momentum).add_(grad, alpha=1.0 - group["dampening"])
+            grad = grad.add(to_local(buf), alpha=momentum) if group["nesterov"] else to_local(buf)
         w.add_(grad, alpha=-group["lr"])
 
 
 def _check_group(group: dict[str, Any]) -> None:
     for name in ("lr", "momentum", "weight_decay", "trust_coeff", "eps"):
-        _checks.number(_OWNER, name, group[name])
-    if _checks.number(_OWNER, "dampening", group["dampening"]) > 1:
-        raise ValueError(f"{_OWNER}: dampening must be in [0, 1], got {group['dampening']!r}")
+        check_number(name, group[name], _OWNER)
+    check_number("dampening", group["dampening"], _OWNER, high=1.0, closed=True)
     for name in ("nesterov", "trust_clip", "always_adapt"):
-        _checks.flag(_OWNER, name, group[name])
+        check_flag(name, group[name], _OWNER)
     if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
         raise ValueError(
             f"{_OWNER}: nesterov=True needs momentum > 0 and dampening = 0, got momentum="

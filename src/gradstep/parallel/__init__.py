@@ -2,24 +2,28 @@
 
 - :mod:`.base`: the :class:`Strategy` protocol the step uses;
 - :mod:`.local`, :mod:`.ddp`, :mod:`.fsdp2`: one file per strategy;
-- :mod:`.collectives`: the one ``unwrap``, "is a group up", the collective device, sums;
-- :mod:`.setup`: ``init`` from torchrun, ``prepare_model``, ``shutdown``;
+- :mod:`.collectives`: the one ``unwrap``, "is a group up", the collective device, sums,
+  and ``agree(flag)`` (true on every rank when any rank's flag is: one all-reduce, one
+  host read), which every "all ranks take the same branch" decision goes through;
+- :mod:`.dtensor`: a DTensor's local part, ``shard_groups`` (the process groups a
+  whole-tensor sum crosses, on any mesh), norms in at least float32;
+- :mod:`.setup`: ``init`` from torchrun, ``prepare_model``, ``shutdown``, and the strategy
+  registry (``register_strategy``, ``strategy_for``);
 - :mod:`.failures`: ``collective_failure``, the message for a rank that is stuck or gone;
 - :mod:`.instrumentation`: counting gradient collectives, for tests and benchmarks only.
 
 :func:`strategy_for` detects the strategy from the model's wrapper; ``Stepper(...,
-strategy=...)`` takes one explicitly. A new layout (tensor parallel, HSDP) is a new file
-whose class has ``detects(model)``, plus one :func:`register_strategy` call.
+strategy=...)`` takes one explicitly. The built-ins register like any other: a new layout
+(tensor parallel, HSDP) is a new file whose class has ``name`` and ``detects(model)``, plus
+one ``register_strategy(cls, prepare=...)`` call that lets ``prepare_model(model, name)``
+build it too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from torch import nn
-
 from .base import ProcessGroupStrategy, Strategy, window_length_error
 from .collectives import (
+    agree,
     all_reduce_sum,
     barrier,
     broadcast_from_rank0,
@@ -44,8 +48,10 @@ from .setup import (
     launched_by_torchrun,
     prepare_model,
     quiet_unless_main,
+    register_strategy,
     resolve_device,
     shutdown,
+    strategy_for,
 )
 
 __all__ = [
@@ -58,6 +64,7 @@ __all__ = [
     "LocalStrategy",
     "ProcessGroupStrategy",
     "Strategy",
+    "agree",
     "all_reduce_sum",
     "barrier",
     "broadcast_from_rank0",
@@ -80,25 +87,3 @@ __all__ = [
     "window_length_error",
     "world_size",
 ]
-
-# Checked in order; the first class whose ``detects(model)`` is true wraps the model.
-_DETECTORS: list[type] = [DDPStrategy, FSDP2Strategy]
-
-
-def register_strategy(cls: type, first: bool = False) -> type:
-    """Let :func:`strategy_for` detect ``cls`` (a class with ``detects(model) -> bool`` and a
-    ``cls(model)`` constructor). ``first`` puts it before the built-ins. Returns ``cls``,
-    so it also works as a decorator."""
-    if not callable(getattr(cls, "detects", None)):
-        raise TypeError(f"register_strategy: {cls!r} needs a detects(model) staticmethod")
-    _DETECTORS.insert(0, cls) if first else _DETECTORS.append(cls)
-    return cls
-
-
-def strategy_for(model: nn.Module) -> Strategy:
-    """The strategy for ``model``'s wrapper (DDP, FSDP2, a registered one), else local."""
-    for cls in _DETECTORS:
-        if cls.detects(model):
-            factory: Callable[[nn.Module], Strategy] = cls
-            return factory(model)
-    return LocalStrategy()

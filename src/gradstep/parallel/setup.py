@@ -23,7 +23,7 @@ import datetime
 import gc
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -31,11 +31,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..precision import PRECISIONS
+from .._validate import check_choice
 from . import collectives
+from .base import Strategy
 from .collectives import is_initialized
+from .ddp import DDPStrategy
 from .failures import check_timeout, remember_timeout
-from .fsdp2 import release_dtensor_caches
+from .fsdp2 import FSDP2Strategy, release_dtensor_caches
+from .local import LocalStrategy
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -49,12 +52,22 @@ __all__ = [
     "launched_by_torchrun",
     "prepare_model",
     "quiet_unless_main",
+    "register_strategy",
     "resolve_device",
     "shutdown",
+    "strategy_for",
 ]
 
-STRATEGIES = ("none", "ddp", "fsdp")
 BACKENDS = ("auto", "gloo", "nccl")
+# The ``precision`` names prepare_model takes (Stepper(precision=)'s, kept here so that this
+# layer imports nothing of the step), each with the dtype FSDP2 all-gathers and computes in
+# (None: the parameters' own). fp16 keeps float32 shards: autocast computes in fp16 and
+# GradScaler needs float32 gradients.
+_FSDP_PARAM_DTYPES: dict[str, torch.dtype | None] = {
+    "fp32": None,
+    "bf16": torch.bfloat16,
+    "fp16": None,
+}
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 
@@ -123,8 +136,7 @@ def init(
     Outside torchrun this starts nothing and returns rank 0 of a world of 1, so one script
     runs both ways. Calling it again after the group exists just describes the group.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
+    check_choice("backend", backend, BACKENDS)
     check_timeout(timeout_s)
     local = _env_int("LOCAL_RANK") if "LOCAL_RANK" in os.environ else 0
     dev = resolve_device(device, local)
@@ -223,14 +235,69 @@ def find_blocks(model: nn.Module, blocks_attr: str | None = None) -> list[nn.Mod
 def _mixed_precision(precision: str) -> MixedPrecisionPolicy:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    if precision == "bf16":
-        # bf16 all-gathers and compute; gradients reduced AND accumulated across no-sync
-        # micro-batches in float32 (FSDP2 upcasts the unsharded gradient when
-        # reduce_dtype differs), so partial sums are never rounded to bf16.
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    # fp32, and fp16 where autocast computes in fp16 from float32 shards (GradScaler needs
-    # float32 gradients).
-    return MixedPrecisionPolicy()
+    param_dtype = _FSDP_PARAM_DTYPES[precision]
+    if param_dtype is None:
+        return MixedPrecisionPolicy()
+    # Low-precision all-gathers and compute; gradients reduced AND accumulated across
+    # no-sync micro-batches in float32 (FSDP2 upcasts the unsharded gradient when
+    # reduce_dtype differs), so partial sums are never rounded to bf16.
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+
+
+# ------------------------------------------------------------ the strategy registry
+
+Prepare = Callable[..., nn.Module]
+"""``prepare(model, *, precision, blocks_attr) -> model``: wraps a model for one layout."""
+
+# strategy_for asks these, in order; the first whose ``detects(model)`` is true wraps it.
+_DETECTORS: list[type] = []
+# prepare_model's names, in registration order.
+_PREPARERS: dict[str, Prepare] = {}
+# The strategy of a model no class detects (built with no argument).
+_FALLBACK: list[type] = []
+
+
+def register_strategy(
+    cls: type,
+    first: bool = False,
+    *,
+    name: str | None = None,
+    prepare: Prepare | None = None,
+    fallback: bool = False,
+) -> type:
+    """Let :func:`strategy_for` detect ``cls`` and, with ``prepare``, let
+    :func:`prepare_model` build it by name. Returns ``cls``, so it also works as a decorator.
+
+    - ``cls``: a class with ``detects(model) -> bool`` and a ``cls(model)`` constructor;
+      ``first`` puts it before the classes registered so far (the built-ins).
+    - ``prepare``: ``prepare(model, *, precision, blocks_attr) -> model``, what
+      ``prepare_model(model, name, ...)`` calls; ``name`` defaults to ``cls.name``.
+    - ``fallback``: ``cls()`` is the strategy of a model no class detects (no ``detects``
+      needed); the built-in fallback is :class:`LocalStrategy`.
+    """
+    if not fallback and not callable(getattr(cls, "detects", None)):
+        raise TypeError(f"register_strategy: {cls!r} needs a detects(model) staticmethod")
+    key = name if name is not None else getattr(cls, "name", None)
+    if prepare is not None:  # checked before anything is registered: all or nothing
+        if not isinstance(key, str) or not key:
+            raise TypeError(f"register_strategy: {cls!r} needs a name (str) for prepare_model")
+        if key in _PREPARERS:
+            raise ValueError(f"register_strategy: the name {key!r} is already registered")
+        _PREPARERS[key] = prepare
+    if fallback:
+        _FALLBACK[:] = [cls]
+    else:
+        _DETECTORS.insert(0, cls) if first else _DETECTORS.append(cls)
+    return cls
+
+
+def strategy_for(model: nn.Module) -> Strategy:
+    """The strategy for ``model``'s wrapper (DDP, FSDP2, a registered one), else local."""
+    for cls in _DETECTORS:
+        if cls.detects(model):
+            factory: Callable[[nn.Module], Strategy] = cls
+            return factory(model)
+    return _FALLBACK[0]()
 
 
 def prepare_model(
@@ -246,15 +313,17 @@ def prepare_model(
     - ``"fsdp"``: FSDP2 ``fully_shard`` on each block (see :func:`find_blocks`) and then on
       the root, over all ranks; with ``precision="bf16"`` a ``MixedPrecisionPolicy`` with
       bf16 parameters and float32 gradient reduction. The model is modified in place.
+    - a name given to :func:`register_strategy` with a ``prepare`` callable.
 
     Pass the result to :class:`gradstep.Stepper`; it detects the wrapper.
     """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}; got {strategy!r}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}; got {precision!r}")
-    if strategy == "none":
-        return model
+    check_choice("strategy", strategy, tuple(_PREPARERS))
+    check_choice("precision", precision, tuple(_FSDP_PARAM_DTYPES))
+    return _PREPARERS[strategy](model, precision=precision, blocks_attr=blocks_attr)
+
+
+def _model_device(model: nn.Module, strategy: str) -> torch.device:
+    """The one device of ``model``'s parameters, once a process group exists."""
     if not is_initialized():
         raise RuntimeError(
             f"prepare_model(strategy={strategy!r}) needs a process group: launch with "
@@ -265,15 +334,26 @@ def prepare_model(
         raise ValueError(
             f"model parameters must be on one device, found {sorted(map(str, devices))}"
         )
-    device = next(iter(devices), torch.device("cpu"))
-    if strategy == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
+    return next(iter(devices), torch.device("cpu"))
 
-        ids = [device.index] if device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=ids)
+
+def _prepare_none(model: nn.Module, **_: object) -> nn.Module:
+    return model
+
+
+def _prepare_ddp(model: nn.Module, **_: object) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+
+    device = _model_device(model, "ddp")
+    ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=ids)
+
+
+def _prepare_fsdp(model: nn.Module, *, precision: str, blocks_attr: str | None) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    device = _model_device(model, "fsdp")
     # The mesh on the model's own device type: fully_shard's default mesh follows the
     # machine's accelerator, which would move a CPU (gloo) model onto a GPU when one exists.
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
@@ -282,3 +362,13 @@ def prepare_model(
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
+
+
+register_strategy(LocalStrategy, name="none", prepare=_prepare_none, fallback=True)
+register_strategy(DDPStrategy, prepare=_prepare_ddp)
+register_strategy(FSDP2Strategy, prepare=_prepare_fsdp)
+
+STRATEGIES = tuple(_PREPARERS)
+"""The built-in strategies' names for :func:`prepare_model` (``none``, ``ddp``, ``fsdp``):
+those registered with a ``prepare`` callable when this module loaded. A later
+``register_strategy(..., prepare=...)`` is taken by ``prepare_model`` too."""

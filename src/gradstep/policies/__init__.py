@@ -23,8 +23,6 @@ from .spec import clip_policies, parse_clip, spec_help
 from .spike_guard import SpikeGuard
 from .zclip import ZClip
 
-register("", SpikeGuard)  # a policy without a spec name: --spike-guard is its own flag
-
 __all__ = [
     "AGC",
     "AutoClip",

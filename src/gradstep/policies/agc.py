@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 import torch
 from torch import nn
 
-from .._validate import check_positive
+from .._validate import check_choice, check_positive
 from ..errors import UnsupportedSetup
 from ..parallel import collectives
+from ..parallel.dtensor import norm32, shard_groups, to_local
 from .base import ClipResult, GradientView
 from .registry import register
 
@@ -19,20 +19,16 @@ __all__ = ["AGC", "ZERO_WEIGHTS", "find_output_layer"]
 ZERO_WEIGHTS = ("skip", "eps")
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (a view: in-place edits reach the DTensor)."""
-    return t.to_local() if hasattr(t, "to_local") else t
+def _check_layout(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The one DTensor whose shard groups stand for all of them (None: no DTensor).
 
-
-def _shard_groups(tensors: Sequence[torch.Tensor]) -> list[Any]:
-    """Process groups over which per-tensor sums must be reduced (FSDP2: the shard dims).
-
-    Supported: DTensors sharded on dim 0 (FSDP2, HSDP) on one shared mesh. A unit (row) of a
-    dim-0-sharded matrix lives on one rank, so only whole-tensor norms need a reduction.
+    AGC supports DTensors sharded on dim 0 (FSDP2, HSDP) on one shared mesh: a unit (row)
+    of a dim-0-sharded matrix then lives on one rank, so only whole-tensor norms need a
+    reduction, and one set of groups serves every tensor.
     """
     dts = [t for t in tensors if hasattr(t, "device_mesh")]
     if not dts:
-        return []
+        return None
     from torch.distributed.tensor import Replicate, Shard
 
     mesh, placements = dts[0].device_mesh, tuple(dts[0].placements)
@@ -47,18 +43,12 @@ def _shard_groups(tensors: Sequence[torch.Tensor]) -> list[Any]:
             raise UnsupportedSetup(
                 f"AGC supports Shard(0)/Replicate placements (FSDP2, HSDP), got {placements}"
             )
-    return [mesh.get_group(i) for i, pl in enumerate(placements) if isinstance(pl, Shard)]
-
-
-def _norm(t: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """2-norm computed in at least float32 (bf16 sums of squares lose too much)."""
-    dtype = torch.promote_types(t.dtype, torch.float32)
-    return torch.linalg.vector_norm(t, dim=dim, dtype=dtype)
+    return dts[0]
 
 
 def _unit_coefs(w: torch.Tensor, g: torch.Tensor, clipping: float, eps: float) -> torch.Tensor:
     """Per-row factor min(1, clipping * max(||W_i||, eps) / ||G_i||)."""
-    return _coef_from_norms(_norm(w.flatten(1), 1), _norm(g.flatten(1), 1), clipping, eps)
+    return _coef_from_norms(norm32(w.flatten(1), dim=1), norm32(g.flatten(1), dim=1), clipping, eps)
 
 
 def _coef_from_norms(
@@ -83,12 +73,13 @@ def _clip_unitwise(
     every shard, so its squared norm joins the one all-reduce.
     One host sync at the end (the count), so on a GPU the loop only queues kernels.
     """
-    groups = _shard_groups([p for p, _ in pairs])
-    device = _local(pairs[0][1]).device if pairs else torch.device("cpu")
+    first = _check_layout([p for p, _ in pairs])
+    groups = shard_groups(first) if first is not None else ()
+    device = to_local(pairs[0][1]).device if pairs else torch.device("cpu")
     mats: list[tuple[torch.Tensor, torch.Tensor]] = []
     whole: list[tuple[torch.Tensor, torch.Tensor]] = []
     for p, g in pairs:
-        w, gl = _local(p.detach()), _local(g)
+        w, gl = to_local(p.detach()), to_local(g)
         if p.dim() > 1:
             mats.append((w, gl))
         else:
@@ -96,9 +87,9 @@ def _clip_unitwise(
     mat_coefs = [_unit_coefs(w, gl, clipping, eps) for w, gl in mats]
     # One all-reduce over the shard groups of: per matrix, sum w^2 and its clipped units;
     # per whole tensor, sum w^2 and sum g^2.
-    parts = [_norm(w).square().to(torch.float64) for w, _ in mats]
+    parts = [norm32(w).square().to(torch.float64) for w, _ in mats]
     parts += [(c < 1).sum().to(torch.float64) for c in mat_coefs]
-    parts += [_norm(t).square().to(torch.float64) for wg in whole for t in wg]
+    parts += [norm32(t).square().to(torch.float64) for wg in whole for t in wg]
     stacked = torch.stack(parts) if parts else torch.zeros(0, dtype=torch.float64, device=device)
     for group in groups:
         stacked = collectives.all_reduce_sum(stacked, group)
@@ -151,11 +142,7 @@ class AGC:
     ):
         self.clipping = check_positive("clipping", clipping, "AGC")
         self.eps = check_positive("eps", eps, "AGC")
-        if zero_weights not in ZERO_WEIGHTS:
-            raise ValueError(
-                f"AGC: zero_weights must be one of {', '.join(ZERO_WEIGHTS)}, got {zero_weights!r}"
-            )
-        self.zero_weights = zero_weights
+        self.zero_weights = check_choice("zero_weights", zero_weights, ZERO_WEIGHTS, "AGC")
         exclude = exclude if isinstance(exclude, str) else list(exclude)  # a generator once
         if isinstance(exclude, str) or not all(isinstance(n, str) for n in exclude):
             raise TypeError(

@@ -20,11 +20,12 @@ from torch import nn
 
 __all__ = [
     "ClipPolicy",
-    "Decision",
-    "apply_policies",
     "ClipResult",
+    "Decision",
     "GradientView",
+    "apply_policies",
     "check_norm_type",
+    "norm_type_of",
     "scale_to",
 ]
 
@@ -162,6 +163,12 @@ def scale_to(norm: float, threshold: float | None) -> ClipResult:
     if threshold is None or not norm > threshold:
         return ClipResult(threshold=threshold)
     return ClipResult(coef=threshold / norm, threshold=threshold, acted=True)
+
+
+def norm_type_of(policies: Sequence[ClipPolicy]) -> float:
+    """The norm every policy is handed is measured in the first norm_type any policy names
+    (``ClipNorm(norm_type=inf)`` makes ``grad_norm`` the inf-norm), else L2."""
+    return next((float(p.norm_type) for p in policies if hasattr(p, "norm_type")), 2.0)
 
 
 @dataclass

@@ -10,6 +10,7 @@ import numpy as np
 
 from .._validate import check_choice, check_int, check_positive
 from .base import ClipResult, GradientView
+from .registry import register
 
 __all__ = ["SPIKE_SIGNALS", "SpikeGuard"]
 
@@ -27,8 +28,9 @@ class SpikeGuard:
     window, skipped ones too, as in OLMo-core: a lasting shift in level therefore stops
     being skipped once the window has absorbed it, instead of skipping forever.
 
-    A skip leaves parameters, optimizer and scheduler untouched; the Stepper counts it in
-    ``skipped_steps`` / ``skip_reasons`` and reports the reason in ``StepStats.skip_reason``.
+    A skip leaves parameters, optimizer and scheduler untouched; the Stepper is the record:
+    it counts the skip in ``Stepper.skipped_steps`` / ``skip_reasons`` and reports the
+    reason in ``StepStats.skip_reason``.
     The reported threshold is mean + sigma * std of the grad norm (of the loss when
     ``on="loss"``), None before the guard is active.
     """
@@ -47,7 +49,6 @@ class SpikeGuard:
         self._history: dict[str, deque[float]] = {
             key: deque(maxlen=self.window) for key in ("grad_norm", "loss")
         }
-        self.skipped_steps = 0
 
     def __repr__(self) -> str:
         return (
@@ -70,7 +71,6 @@ class SpikeGuard:
                 self._history[key].append(values[key])
         if not spikes:
             return ClipResult(threshold=threshold)
-        self.skipped_steps += 1
         reason = (
             f"SpikeGuard: {' and '.join(spikes)} spike (> mean + {self.sigma:g} sigma of the "
             f"last {self.window} steps)"
@@ -87,10 +87,11 @@ class SpikeGuard:
         return {
             "grad_norm": list(self._history["grad_norm"]),
             "loss": list(self._history["loss"]),
-            "skipped_steps": self.skipped_steps,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key in ("grad_norm", "loss"):
             self._history[key] = deque((float(x) for x in state[key]), maxlen=self.window)
-        self.skipped_steps = int(state.get("skipped_steps", 0))
+
+
+register("", SpikeGuard)  # a policy without a spec name: --spike-guard is its own flag

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .._validate import check_choice, check_int, check_interval, check_positive
+from .._validate import check_choice, check_int, check_interval, check_number, check_positive
 from .base import ClipResult, GradientView, scale_to
 from .registry import register
 
@@ -46,10 +46,8 @@ class ZClip:
         self.z_thresh = check_positive("z_thresh", z_thresh, "ZClip")
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 1, "ZClip")
         self.mode = check_choice("mode", mode, ZCLIP_MODES, "ZClip")
-        self.max_grad_norm = (
-            None
-            if max_grad_norm is None
-            else check_positive("max_grad_norm", max_grad_norm, "ZClip")
+        self.max_grad_norm: float | None = check_number(
+            "max_grad_norm", max_grad_norm, "ZClip", above=True, optional=True
         )
         self._warmup: list[float] = []
         self.mean: float | None = None
