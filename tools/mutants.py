@@ -105,8 +105,11 @@ MUTATIONS = [
     m(
         "M4",
         "FSDP2: this shard's norm instead of the global one",
-        FSDP,
-        [("norm = norm.full_tensor()", "norm = norm.to_local()")],
+        # re-expressed (issue 22): the norm after backward is now this rank's shard norm,
+        # summed over the ranks as a p-th power in the window's collective; the bug is the
+        # same: that part taken as the global norm.
+        "gradstep/early_norm.py",
+        [("    return local, True\n", "    return local, early is not None\n")],
         DIST,
     ),
     m(
@@ -186,14 +189,10 @@ MUTATIONS = [
     ),
     m(
         "P5",
-        "peak memory: VmHWM kB reported as MiB",
-        "gradstep/metrics.py",
-        [
-            (
-                'return int(line.split()[1]) / 2**10, "max_rss"',
-                'return int(line.split()[1]), "max_rss"',
-            )
-        ],
+        "peak memory: VmHWM kB reported as bytes",
+        # re-expressed (issue 22): metrics.peak_memory now reads memory.process's reader.
+        "gradstep/memory/process.py",
+        [("return int(line.split()[1]) * 1024  # kB", "return int(line.split()[1])  # kB")],
         "tests/test_metrics.py",
     ),
     m(
@@ -234,8 +233,8 @@ MUTATIONS = [
         "FSDP2: a failed window's unreduced gradients are kept",
         FSDP,
         [
-            ("                fsdp_param.unsharded_accumulated_grad = None\n", ""),
-            ("                    unsharded.grad = None\n", "                    pass\n"),
+            ("            fsdp_param.unsharded_accumulated_grad = None\n", ""),
+            ("                unsharded.grad = None\n", "                pass\n"),
         ],
         DIST,
     ),
@@ -266,8 +265,8 @@ MUTATIONS = [
         STEP,
         [
             (
-                "        self._norm_type = next(",
-                "        self._norm_type = getattr(self, '_norm_type', None) or next(",
+                "        self._norm_type = norm_type_of(",
+                "        self._norm_type = getattr(self, '_norm_type', None) or norm_type_of(",
             )
         ],
         "tests/test_hooks.py",
@@ -276,7 +275,7 @@ MUTATIONS = [
         "N8",
         "the optimizer-covers-the-model check removed",
         STEP,
-        [("        check_optimizer_covers(self._named, optimizer)\n", "")],
+        [("        _validate.check_optimizer_covers(self._named, optimizer)\n", "")],
         "tests/test_input_checks.py",
     ),
     m(
@@ -367,10 +366,10 @@ MUTATIONS = [
     m(
         "N19",
         "aux terms backpropagated without their weight N/M (the window's items per micro-batch)",
-        "gradstep/tally.py",
+        "gradstep/window.py",
         [
             (
-                "        return sum(loss.aux[n] for n in names) * self.plan.aux_weight",
+                "        return sum(loss.aux[n] for n in names) * self._aux_weight",
                 "        return sum(loss.aux[n] for n in names)",
             )
         ],
@@ -379,26 +378,25 @@ MUTATIONS = [
     m(
         "N20",
         "FSDP2 norm in backward: this rank's shards only, not reduced over the shard group",
-        FSDP,
-        [
-            (
-                "return self.all_reduce_sum(norm.double() ** norm_type) ** (1.0 / norm_type)",
-                "return norm",
-            )
-        ],
-        "tests/test_norms.py",
+        # re-expressed (issue 22): the part measured in backward now rides the window's
+        # collective (early_norm.local_part says whether it is still to be summed).
+        "gradstep/early_norm.py",
+        [("    return local, True\n", "    return local, early is None\n")],
+        "tests/test_early_norm.py",
     ),
     m(
         "N21",
         "norm in backward: the hooks stay registered when the window raises",
-        "gradstep/early_norm.py",
+        # re-expressed (issue 22): every temporary registration now goes through
+        # _handles.removing, the norm-in-backward hooks included.
+        "gradstep/_handles.py",
         [
             (
-                "    try:\n        yield\n    finally:\n        for h in handles:\n",
-                "    yield\n    if True:\n        for h in handles:\n",
+                "    try:\n        yield\n    finally:\n        for h in held:\n",
+                "    yield\n    if True:\n        for h in held:\n",
             )
         ],
-        "tests/test_norms.py",
+        "tests/test_early_norm.py",
     ),
     # --- held-out audit 2 (derived from the code only)
     m(
@@ -441,8 +439,8 @@ MUTATIONS = [
         "gradstep/early_norm.py",
         [
             (
-                "self.parts[self.order[id(param)]] = norm",
-                "self.parts.setdefault(self.order[id(param)], norm)",
+                "self.parts[self.order[id(param)]] = norm32(grad, self.norm_type)",
+                "self.parts.setdefault(self.order[id(param)], norm32(grad, self.norm_type))",
             )
         ],
         "tests",
@@ -450,20 +448,20 @@ MUTATIONS = [
     m(
         "A5",
         "norm in backward: post-accumulate-grad hooks are never removed after the window",
-        "gradstep/early_norm.py",
-        [("        for h in handles:\n            h.remove()", "        pass")],
+        # re-expressed (issue 22): every temporary registration goes through _handles.
+        "gradstep/_handles.py",
+        [("        for h in held:\n            h.remove()", "        pass")],
         "tests",
     ),
     m(
         "A6",
         "norm in backward also used with the fp16 GradScaler (norm of the scaled gradient)",
-        STEP,
+        # re-expressed (issue 22): the decision is early_norm.decide, taken once.
+        "gradstep/early_norm.py",
         [
             (
-                "if self._precision.scaler is not None or self._precision.accumulator is not "
-                "None:\n            return None\n        return EarlyNorm",
-                "if self._precision.accumulator is not None:\n            return None\n        "
-                "return EarlyNorm",
+                "plain = precision.scaler is None and precision.accumulator is None",
+                "plain = precision.accumulator is None",
             )
         ],
         "tests",
@@ -471,17 +469,17 @@ MUTATIONS = [
     m(
         "A7",
         "on_oom split: MicroBatchTooLarge raised when ANY rank can no longer split (not all)",
-        STEP,
+        # re-expressed: the verdict is OOMAgreement.stuck() (the failing rank's micro-batch
+        # has one item), taken in OOMSplitter.run since issue 22; the bug gives up, agreed
+        # over the ranks, as soon as any rank holds only one-item micro-batches, whichever
+        # rank ran out.
+        "gradstep/oom.py",
         [
-            # re-expressed: the verdict is now OOMAgreement.stuck() (the failing rank's
-            # micro-batch has one item); the bug gives up, agreed over the ranks, as soon as
-            # any rank holds only one-item micro-batches, whichever rank ran out.
-            ("    too_large_error,\n", "    too_large,\n    too_large_error,\n"),
             (
-                "if self._oom.stuck() or self.oom_halvings >= MAX_HALVINGS:",
-                "if self._oom.stuck() or self._strategy.all_reduce_sum(torch.tensor("
+                "if self._agreement.stuck() or self.halvings >= MAX_HALVINGS:",
+                "if self._agreement.stuck() or self._strategy.all_reduce_sum(torch.tensor("
                 "[float(too_large(micro_batches))], dtype=torch.float64)).item() > 0 "
-                "or self.oom_halvings >= MAX_HALVINGS:",
+                "or self.halvings >= MAX_HALVINGS:",
             ),
         ],
         "tests",
@@ -489,7 +487,7 @@ MUTATIONS = [
     m(
         "A8",
         "tally: a tensor count of 0 is reported as negative (tensor path uses <= 0)",
-        "gradstep/tally.py",
+        "gradstep/window.py",
         [("(counts < 0).sum(dtype=f64)", "(counts <= 0).sum(dtype=f64)")],
         "tests",
     ),
@@ -497,7 +495,7 @@ MUTATIONS = [
         "A9",
         "tally: aux names only compared once aux was seen (first micro-batch without aux, later "
         "with, accepted)",
-        "gradstep/tally.py",
+        "gradstep/window.py",
         [
             (
                 "if index and names != sorted(self.aux) and self.mixed is None:",
@@ -509,19 +507,20 @@ MUTATIONS = [
     m(
         "A10",
         "tally: integer fast path's local item count not cloned before the in-place all-reduce",
-        "gradstep/tally.py",
-        [("mine = local[1:2].clone()", "mine = local[1:2]")],
+        "gradstep/window.py",
+        [("return local, local[1:2].clone()", "return local, local[1:2]")],
         "tests",
     ),
     m(
         "A11",
         "tally: count plan keeps this rank's micro-batch count, not the global one (aux weight x "
         "world)",
-        "gradstep/tally.py",
+        # re-expressed (issue 22): the plan keeps items per micro-batch, not both counts.
+        "gradstep/window.py",
         [
             (
-                "return CountPlan(counts, int(items), int(n))",
-                "return CountPlan(counts, int(items), len(counts))",
+                "return CountPlan(counts, reduced[0] / reduced[1])",
+                "return CountPlan(counts, reduced[0] / len(counts))",
             )
         ],
         "tests",
@@ -658,18 +657,18 @@ MUTATIONS = [
         "A25",
         "split: too_large when ANY micro-batch has one item (a short last micro-batch stops "
         "splitting)",
-        STEP,
+        # re-expressed: split.too_large is no longer called (the verdict is
+        # OOMAgreement.stuck(): the micro-batch that ran out has one item, in
+        # OOMSplitter.run since issue 22), so its text is dead code; the same bug in the
+        # verdict: give up (agreed over the ranks) as soon as a rank's window holds any
+        # micro-batch of at most one item.
+        "gradstep/oom.py",
         [
-            # re-expressed: split.too_large is no longer called (the verdict is now
-            # OOMAgreement.stuck(): the micro-batch that ran out has one item), so its text
-            # is dead code; the same bug in the verdict: give up (agreed over the ranks) as
-            # soon as a rank's window holds any micro-batch of at most one item.
-            ("    too_large_error,\n", "    rows,\n    too_large_error,\n"),
             (
-                "if self._oom.stuck() or self.oom_halvings >= MAX_HALVINGS:",
-                "if self._oom.stuck() or self._strategy.all_reduce_sum(torch.tensor([float("
+                "if self._agreement.stuck() or self.halvings >= MAX_HALVINGS:",
+                "if self._agreement.stuck() or self._strategy.all_reduce_sum(torch.tensor([float("
                 "any(n is not None and n <= 1 for n in map(rows, micro_batches)))], "
-                "dtype=torch.float64)).item() > 0 or self.oom_halvings >= MAX_HALVINGS:",
+                "dtype=torch.float64)).item() > 0 or self.halvings >= MAX_HALVINGS:",
             ),
         ],
         "tests",
@@ -870,11 +869,13 @@ MUTATIONS = [
     m(
         "A42",
         "FSDP2 norm in backward: shard norms summed instead of their p-th powers",
-        FSDP,
+        # re-expressed (issue 22): FSDP2's norm part (in backward or after) rides the
+        # window's collective as norm**p.
+        "gradstep/window.py",
         [
             (
-                "return self.all_reduce_sum(norm.double() ** norm_type) ** (1.0 / norm_type)",
-                "return self.all_reduce_sum(norm.double())",
+                "local = torch.cat([local, norm.reshape(1).to(local) ** norm_type])",
+                "local = torch.cat([local, norm.reshape(1).to(local)])",
             )
         ],
         "tests",
@@ -882,13 +883,10 @@ MUTATIONS = [
     m(
         "A43",
         "DDP norm in backward: the (already global) norm reduced over ranks again",
+        # re-expressed (issue 22): a strategy's gradient_layout says how its norm is
+        # assembled; DDP's says every rank holds the whole reduced gradient.
         "gradstep/parallel/ddp.py",
-        [
-            (
-                "return norm  # every rank measured the same reduced buckets",
-                "return self.all_reduce_sum(norm.double() ** norm_type) ** (1.0 / norm_type)",
-            )
-        ],
+        [('    name = "ddp"\n', '    name = "ddp"\n    gradient_layout = "dp_sharded"\n')],
         "tests",
     ),
 ]

@@ -83,16 +83,21 @@ class EarlyNorm:
         self.params = list(params)
         self.order = {id(p): i for i, p in enumerate(self.params)}
         self.parts: dict[int, torch.Tensor] = {}
+        self.hooks: Any = None
+        """The strategy's context that records into this during the last backward."""
 
     @classmethod
     def start(
-        cls, strategy: FinalGrads, params: Sequence[nn.Parameter], norm_type: float
-    ) -> tuple[EarlyNorm, Any] | None:
-        """An EarlyNorm and the strategy's context that records into it during the last
-        backward; None when the strategy cannot on this model (then the pass after)."""
+        cls, enabled: bool, strategy: Strategy, params: Sequence[nn.Parameter], norm_type: float
+    ) -> EarlyNorm | None:
+        """An EarlyNorm with the hooks of a :class:`FinalGrads` strategy that record into it;
+        None when not ``enabled`` (see :func:`decide`) or when the strategy cannot on this
+        model (then the norm is taken after backward)."""
+        if not enabled or not isinstance(strategy, FinalGrads):
+            return None
         early = cls(norm_type, params)
-        hooks = strategy.final_grads(early.params, early.record)
-        return None if hooks is None else (early, hooks)
+        early.hooks = strategy.final_grads(early.params, early.record)
+        return None if early.hooks is None else early
 
     def record(self, param: nn.Parameter, grad: torch.Tensor) -> None:
         self.parts[self.order[id(param)]] = norm32(grad, self.norm_type)

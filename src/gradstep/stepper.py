@@ -8,10 +8,9 @@ accounting are :mod:`.window`'s; the norm in backward :mod:`.early_norm`'s; out-
 splitting :mod:`.oom`'s; the policies' decision :mod:`.policies`'.
 
 Normalisation has exactly one owner, one line in ``_step``: losses are backpropagated as
-*sums*, the window's item count (over every micro-batch and every rank) is only known at
-the end, so the summed gradient is divided once, afterwards, by the global item count
-(times the backend's own average over ranks, undone, and the fp16 pre-scale, undone). The
-multiply itself is kept pending and done in the same pass as a norm clip.
+*sums*, and the summed gradient is divided once, afterwards, by the window's global item
+count (the backend's average over ranks and the fp16 pre-scale undone), in the same
+pending multiply as a norm clip.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from . import _validate, early_norm
 from .early_norm import EarlyNorm
 from .hooks import Hooks
 from .loss import LossSum
-from .oom import ON_OOM, OOMSplitter, SplitFn
+from .oom import ON_OOM, OOMSplitter, SplitFn, split_in_half
 from .parallel import Strategy, strategy_for
 from .policies import ClipNorm, ClipPolicy, GradientView, as_policies
 from .policies.base import Decision, apply_policies, norm_type_of
@@ -107,7 +106,8 @@ class Stepper:
             precision, self._params, accum_dtype, self._strategy.distributed
         )
         self.on_oom = on_oom
-        self._oom = OOMSplitter(self._strategy, split_fn) if on_oom == "split" else None
+        self.split_fn = split_fn or split_in_half
+        self._oom = OOMSplitter(self._strategy, self.split_fn) if on_oom == "split" else None
         self.norm_in_backward = early_norm.decide(
             norm_in_backward, self._params, self._strategy, self._precision
         )
@@ -237,15 +237,14 @@ class Stepper:
             micro_batches = list(micro_batches)
             plan = plan_counts(micro_batches, count, self._strategy, agree=self._agree_first)
         tally = Tally(self._strategy, plan)
-        early = None
-        if self.norm_in_backward:  # the strategy's hooks record into it, or None
-            early = EarlyNorm.start(self._strategy, self._params, self._norm_type)  # type: ignore[arg-type]
+        early = EarlyNorm.start(
+            self.norm_in_backward, self._strategy, self._params, self._norm_type
+        )
         self._loop(loss_fn, early).run(micro_batches, tally)
         self._precision.unscale(self.optimizer)
         named_grads = self._precision.named_grads(self._named)
         grads = [g for _, _, g in named_grads]
-        recorded = early[0] if early is not None else None
-        norm, summed = early_norm.local_part(self._strategy, grads, recorded, self._norm_type)
+        norm, summed = early_norm.local_part(self._strategy, grads, early, self._norm_type)
         window = tally.finish(norm, self._norm_type, summed)  # one collective, one host read
         for key, message in window.traps(self.world_size):
             self._warn_once(key, message)
@@ -255,17 +254,7 @@ class Stepper:
             # The loss does not depend on any trainable parameter: an update would only
             # apply weight decay. (Under DDP/FSDP2 the backend always leaves gradients.)
             return self._skip(window, "no gradient: the loss does not depend on the model", 0.0)
-        view = GradientView(
-            grads=grads,
-            scale=1.0,
-            norm=window.raw_norm,
-            norm_type=self._norm_type,
-            loss=window.loss,
-            step=self.step_count,
-            params=self._named,
-            global_norm=self._strategy.total_norm,
-            grad_owners=[(name, p) for name, p, _ in named_grads],
-        )
+        view = self._view(window, named_grads)
         # THE normalisation: sum of per-item gradients -> mean over the global item count,
         # with the backend's average over ranks and the fp16 pre-scale undone. Pending: it
         # is applied to the tensors in the same pass as a norm clip (view.materialize).
@@ -281,7 +270,20 @@ class Stepper:
         view.materialize()
         return self._update(window, norm, decision, post_clip_norm=view.norm)
 
-    def _loop(self, loss_fn: LossFn, early: tuple[EarlyNorm, Any] | None) -> Loop:
+    def _view(self, window: Window, named_grads: list[tuple[str, Any, Any]]) -> GradientView:
+        return GradientView(
+            grads=[g for _, _, g in named_grads],
+            scale=1.0,
+            norm=window.raw_norm,
+            norm_type=self._norm_type,
+            loss=window.loss,
+            step=self.step_count,
+            params=self._named,
+            global_norm=self._strategy.total_norm,
+            grad_owners=[(name, p) for name, p, _ in named_grads],
+        )
+
+    def _loop(self, loss_fn: LossFn, early: EarlyNorm | None) -> Loop:
         """The micro-batch loop of this window, with only the contexts in use."""
         strategy, oom, hooks = self._strategy, self._oom, self.hooks
         loop = Loop(self.model, loss_fn, self._precision, self._mean_over_ranks)
@@ -296,7 +298,7 @@ class Stepper:
             targets = lambda: strategy.hook_targets(self._named)  # noqa: E731
             loop.observe = lambda i: hooks.param_grads(self, targets, i)
         if early is not None:
-            loop.final = early[1]
+            loop.final = early.hooks
         loop.on_end = [partial(call, self) for call in hooks.on_micro_batch_end]
         return loop
 
