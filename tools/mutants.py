@@ -109,7 +109,12 @@ MUTATIONS = [
         # summed over the ranks as a p-th power in the window's collective; the bug is the
         # same: that part taken as the global norm.
         "gradstep/early_norm.py",
-        [("    return local, True\n", "    return local, early is not None\n")],
+        [
+            (
+                "    return local * strategy.norm_weight, True\n",
+                "    return local, early is not None\n",
+            )
+        ],
         DIST,
     ),
     m(
@@ -381,7 +386,7 @@ MUTATIONS = [
         # re-expressed (issue 22): the part measured in backward now rides the window's
         # collective (early_norm.local_part says whether it is still to be summed).
         "gradstep/early_norm.py",
-        [("    return local, True\n", "    return local, early is None\n")],
+        [("    return local * strategy.norm_weight, True\n", "    return local, early is None\n")],
         "tests/test_early_norm.py",
     ),
     m(
@@ -477,7 +482,7 @@ MUTATIONS = [
         [
             (
                 "if self._agreement.stuck() or self.halvings >= MAX_HALVINGS:",
-                "if self._agreement.stuck() or self._strategy.all_reduce_sum(torch.tensor("
+                "if self._agreement.stuck() or self._strategy.agree_sum(torch.tensor("
                 "[float(too_large(micro_batches))], dtype=torch.float64)).item() > 0 "
                 "or self.halvings >= MAX_HALVINGS:",
             ),
@@ -666,7 +671,7 @@ MUTATIONS = [
         [
             (
                 "if self._agreement.stuck() or self.halvings >= MAX_HALVINGS:",
-                "if self._agreement.stuck() or self._strategy.all_reduce_sum(torch.tensor([float("
+                "if self._agreement.stuck() or self._strategy.agree_sum(torch.tensor([float("
                 "any(n is not None and n <= 1 for n in map(rows, micro_batches)))], "
                 "dtype=torch.float64)).item() > 0 or self.halvings >= MAX_HALVINGS:",
             ),

@@ -119,8 +119,9 @@ def local_part(
 ) -> tuple[torch.Tensor, bool]:
     """This rank's part of the window's global gradient norm, and whether its
     ``norm_type``-th power is still to be summed over the data-parallel ranks (the tally's
-    collective does that). The inf-norm of a sharded gradient needs a max, not a sum: its
-    own collective. A strategy with another layout reduces the norm itself."""
+    collective does that; a rank holding replicas of another rank's shards, HSDP's, adds
+    nothing). The inf-norm of a sharded gradient needs a max, not a sum: its own
+    collective. A strategy with another layout reduces the norm itself."""
     layout = strategy.gradient_layout
     if layout == "other":
         return strategy.total_norm(grads, norm_type), False
@@ -130,4 +131,4 @@ def local_part(
         return local, False
     if math.isinf(norm_type):
         return strategy.all_reduce_max(local), False  # type: ignore[attr-defined]
-    return local, True
+    return local * strategy.norm_weight, True

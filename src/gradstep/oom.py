@@ -230,7 +230,7 @@ class OOMSplitter:
         self.halvings = 0
         """How many times every micro-batch is halved before it runs (grows on OOM)."""
         self._strategy = strategy
-        self._agreement = OOMAgreement(strategy.all_reduce_sum, strategy.world_size)
+        self._agreement = OOMAgreement(strategy.agree_sum, strategy.agree_ranks)
 
     def prepare(self, micro_batches: Any) -> list[Any]:
         return halve(list(micro_batches), self.split_fn, self.halvings)
@@ -269,6 +269,6 @@ class OOMSplitter:
     def window(self) -> contextlib.AbstractContextManager[None]:
         """Around the window's micro-batches: on several ranks, an agreement point before
         every forward that communicates (FSDP2's units, DDP broadcasting buffers)."""
-        if self._strategy.world_size == 1:
+        if self._strategy.agree_ranks == 1:
             return contextlib.nullcontext()
         return self._agreement.before_forwards(self._strategy.communicating_modules())

@@ -116,8 +116,10 @@ class Stepper:
         # after every forward and backward: a rank with one micro-batch more would pair
         # those collectives with the other ranks' reductions and hang.
         self._agree_first = self._strategy.forward_communicates or (
-            self._oom is not None and self.world_size > 1
+            self._oom is not None and self._strategy.agree_ranks > 1
         )
+        # count=fn's all-reduce carries that agreement when it spans every rank.
+        self._plan_agrees = self._strategy.agree_ranks == self.world_size
         self.step_count = 0
         self.skipped_steps = 0
         self.clipped_steps = 0
@@ -214,7 +216,7 @@ class Stepper:
         check_micro_batches(micro_batches)
         if self._oom is not None:
             micro_batches = self._oom.prepare(micro_batches)
-        if self._agree_first and count is None:  # with count=fn, plan_counts agrees
+        if self._agree_first and (count is None or not self._plan_agrees):
             micro_batches = list(micro_batches)
             self._strategy.check_window(len(micro_batches))
         return micro_batches
@@ -235,7 +237,8 @@ class Stepper:
         plan = None
         if count is not None:
             micro_batches = list(micro_batches)
-            plan = plan_counts(micro_batches, count, self._strategy, agree=self._agree_first)
+            agree = self._agree_first and self._plan_agrees
+            plan = plan_counts(micro_batches, count, self._strategy, agree=agree)
         tally = Tally(self._strategy, plan)
         early = EarlyNorm.start(
             self.norm_in_backward, self._strategy, self._params, self._norm_type

@@ -128,7 +128,7 @@ def _split_sums(
     split_fn: SplitFn,
 ) -> torch.Tensor:
     strategy = parallel.strategy_for(model)
-    agreement = OOMAgreement(strategy.all_reduce_sum, strategy.world_size)
+    agreement = OOMAgreement(strategy.agree_sum, strategy.agree_ranks)
     modules = strategy.communicating_modules() if strategy.world_size > 1 else []
     sums = torch.zeros(2, dtype=torch.float64, device=device)
     state = {"halvings": 0}

@@ -53,6 +53,7 @@ from .setup import (
     shutdown,
     strategy_for,
 )
+from .tensor_parallel import FSDP2TPStrategy
 
 __all__ = [
     "BACKENDS",
@@ -61,6 +62,7 @@ __all__ = [
     "DDPStrategy",
     "DistEnv",
     "FSDP2Strategy",
+    "FSDP2TPStrategy",
     "LocalStrategy",
     "ProcessGroupStrategy",
     "Strategy",

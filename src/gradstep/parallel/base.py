@@ -61,6 +61,12 @@ class Strategy(Protocol):
     """True when gradients are reduced by a backend (DDP, FSDP2)."""
     gradient_layout: str
     """One of :data:`GRADIENT_LAYOUTS`."""
+    norm_weight: float
+    """1, or 0 on a rank whose gradient shards are replicas of another rank's (HSDP's
+    replicate dimension): what this rank's ``norm**p`` counts for in a ``dp_sharded`` sum."""
+    agree_ranks: int
+    """Ranks that must take every branch together (all ranks of the job: data-parallel
+    peers and model-parallel peers alike); :meth:`agree_sum` sums over them."""
     forward_communicates: bool
     """True when the forward pass runs collectives (FSDP2 all-gathers parameters): ranks
     with different window lengths would then pair unrelated collectives and hang, so the
@@ -77,6 +83,11 @@ class Strategy(Protocol):
 
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
         """Sum a small tensor over the data-parallel ranks (identity on one process)."""
+        ...
+
+    def agree_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum a small tensor over :attr:`agree_ranks`: for decisions every rank must take
+        together (window lengths, out-of-memory), not for data."""
         ...
 
     def total_norm(self, grads: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
@@ -169,6 +180,10 @@ class ProcessGroupStrategy:
     name = "group"
     distributed = True
     gradient_layout = "replicated"
+    norm_weight = 1.0
+    model_parallel = False
+    """True in a subclass whose ``dp_group`` is smaller than the world on purpose (the other
+    ranks hold other parts of the model, not other data)."""
 
     def __init__(self, dp_group: Any = None) -> None:
         from ..errors import UnsupportedSetup
@@ -183,7 +198,8 @@ class ProcessGroupStrategy:
 
         self.dp_group = dp_group
         self.world_size = dist.get_world_size(dp_group)
-        if dp_group is not None and self.world_size != dist.get_world_size():
+        self.agree_ranks = dist.get_world_size()
+        if self.world_size != self.agree_ranks and not self.model_parallel:
             raise UnsupportedSetup(
                 f"dp_group spans {self.world_size} of {dist.get_world_size()} ranks; the "
                 "built-in strategies are data parallel over the whole default group"
@@ -198,6 +214,11 @@ class ProcessGroupStrategy:
 
         return all_reduce_sum(t, self.dp_group)
 
+    def agree_sum(self, t: torch.Tensor) -> torch.Tensor:
+        from .collectives import all_reduce_sum
+
+        return all_reduce_sum(t, None)
+
     def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
         """The maximum of a small tensor over the data-parallel ranks (a float64 copy)."""
         import torch.distributed as dist
@@ -208,8 +229,8 @@ class ProcessGroupStrategy:
 
     def check_window(self, n: int) -> None:
         local = torch.tensor([float(n), float(n * n)], dtype=torch.float64)
-        n_sum, n2_sum = self.all_reduce_sum(local).tolist()
-        error = window_length_error(n, n_sum, n2_sum, self.world_size)
+        n_sum, n2_sum = self.agree_sum(local).tolist()
+        error = window_length_error(n, n_sum, n2_sum, self.agree_ranks)
         if error is not None:
             raise error
 

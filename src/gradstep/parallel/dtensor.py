@@ -15,7 +15,14 @@ import torch
 
 from ..errors import UnsupportedSetup
 
-__all__ = ["ShardGroups", "norm32", "shard_groups", "to_local", "wide_dtype"]
+__all__ = [
+    "ShardGroups",
+    "first_copy",
+    "norm32",
+    "shard_groups",
+    "to_local",
+    "wide_dtype",
+]
 
 ShardGroups = tuple[Any, ...]
 """The process groups a tensor's elements are split over (empty: every rank holds all)."""
@@ -65,6 +72,19 @@ def shard_groups(t: torch.Tensor) -> ShardGroups:
             )
         groups.append(mesh.get_group(dim))
     return tuple(groups)
+
+
+def first_copy(t: torch.Tensor) -> bool:
+    """Whether this rank's part of ``t`` is the one that counts in a sum over every rank of
+    its mesh: along each ``Replicate`` dim only coordinate 0 counts (the others hold copies
+    of the same part). True for a plain tensor."""
+    mesh = getattr(t, "device_mesh", None)
+    if mesh is None:
+        return True
+    placements = tuple(t.placements)  # type: ignore[attr-defined]
+    return all(
+        mesh.get_local_rank(dim) == 0 for dim, pl in enumerate(placements) if pl.is_replicate()
+    )
 
 
 def wide_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype:

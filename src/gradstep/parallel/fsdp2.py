@@ -12,7 +12,7 @@ from torch import nn
 
 from .base import ProcessGroupStrategy, local_norm, post_accumulate_hooks, shard_norm
 
-__all__ = ["FSDP2Strategy"]
+__all__ = ["FSDP2Strategy", "fsdp_mesh_info"]
 
 
 class FSDP2Strategy(ProcessGroupStrategy):
@@ -29,6 +29,12 @@ class FSDP2Strategy(ProcessGroupStrategy):
         for p in model.parameters():
             if isinstance(p, DTensor):
                 self._check_group_size(p.device_mesh.size(), "the FSDP2 device mesh")
+        info = fsdp_mesh_info(model)
+        # HSDP, a (replicate, shard) mesh: the gradient is sharded within a replica and
+        # copied across replicas, so only the first replica's shards count in the norm.
+        replica = getattr(info, "replicate_mesh_rank", 0)
+        self.norm_weight = 1.0 if replica == 0 else 0.0
+        self.replicas = getattr(info, "replicate_mesh_size", 1)
 
     @staticmethod
     def detects(model: nn.Module) -> bool:
@@ -105,6 +111,20 @@ class FSDP2Strategy(ProcessGroupStrategy):
 
         norm = local_norm(grads, norm_type)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def fsdp_mesh_info(model: nn.Module) -> Any:
+    """FSDP2's record of the mesh ``model``'s parameters are sharded on (private API, torch
+    2.13: ``FSDPMeshInfo`` with ``mesh``, ``shard_process_group``; ``HSDPMeshInfo`` adds
+    ``replicate_mesh_rank``/``_size``). None when no module holds parameters."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group
+            if group is not None:
+                return group.mesh_info
+    return None
 
 
 def _fsdp_params(model: nn.Module) -> Iterator[Any]:

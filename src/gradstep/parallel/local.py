@@ -23,12 +23,17 @@ class LocalStrategy:
     distributed = False
     grad_divisor = 1.0
     gradient_layout = "replicated"
+    norm_weight = 1.0
+    agree_ranks = 1
     forward_communicates = False
 
     def sync(self, enabled: bool) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def agree_sum(self, t: torch.Tensor) -> torch.Tensor:
         return t
 
     def total_norm(self, grads: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:

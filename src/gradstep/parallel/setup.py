@@ -39,6 +39,7 @@ from .ddp import DDPStrategy
 from .failures import check_timeout, remember_timeout
 from .fsdp2 import FSDP2Strategy, release_dtensor_caches
 from .local import LocalStrategy
+from .tensor_parallel import FSDP2TPStrategy
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -367,6 +368,7 @@ def _prepare_fsdp(model: nn.Module, *, precision: str, blocks_attr: str | None) 
 register_strategy(LocalStrategy, name="none", prepare=_prepare_none, fallback=True)
 register_strategy(DDPStrategy, prepare=_prepare_ddp)
 register_strategy(FSDP2Strategy, prepare=_prepare_fsdp)
+register_strategy(FSDP2TPStrategy, first=True)  # an FSDP2 model too: asked before it
 
 STRATEGIES = tuple(_PREPARERS)
 """The built-in strategies' names for :func:`prepare_model` (``none``, ``ddp``, ``fsdp``):

@@ -1,0 +1,62 @@
+"""FSDP2 + tensor parallel on a (dp=2, tp=2) mesh, and HSDP on a (replicate=2, shard=2)
+mesh, of 4 gloo ranks equal one process in float64 (tests/parallel/tp_ranks.py).
+
+FSDP2 + TP: a plain ``Stepper(model, optimizer)`` detects the layout; items are counted
+over the dp ranks only, the gradient divisor undoes FSDP2's average over dp only, and the
+global norm counts every shard once and no copy twice, for norm types 2, 1 and inf, with
+the clip active on every step and different token counts on the two dp ranks. Two plans:
+tensor parallel blocks (gradients on two meshes) with AdamW, and sequence parallel (every
+parameter on the 2-D mesh) with SGD + momentum and ``count=fn``. A tensor-parallel peer
+with a longer window raises on every rank. HSDP: the norm counts the shards of one replica
+only, taken in backward or after it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.parallel import tp_ranks as tp
+from tests.support.multiproc import run_ranks
+
+pytestmark = pytest.mark.distributed
+
+EXACT = 1e-12
+
+
+@pytest.mark.parametrize(
+    ("sp", "opt", "with_count"), [(False, "adamw", False), (True, "sgd", True)], ids=["tp", "tp+sp"]
+)
+def test_fsdp2_with_tensor_parallel_equals_one_process(
+    sp: bool, opt: str, with_count: bool
+) -> None:
+    ref = tp.reference(opt)
+    ranks = run_ranks(tp.tp_run, tp.DP * tp.TP, sp, opt, with_count, timeout=300)
+    for rank, res in enumerate(ranks):
+        assert res["strategy"] == "FSDP2TPStrategy" and res["world_size"] == tp.DP, rank
+        assert res["divisor"] == tp.DP, rank
+        _check_steps(rank, res["steps"], ref)
+        assert res["mismatch"] is not None and "different lengths" in res["mismatch"], rank
+
+
+@pytest.mark.parametrize("in_backward", [False, True], ids=["after", "in-backward"])
+def test_hsdp_equals_one_process(in_backward: bool) -> None:
+    world = tp.DP * tp.TP
+    ref = tp.reference("adamw", dp=world)
+    for rank, res in enumerate(run_ranks(tp.hsdp_run, world, in_backward, timeout=300)):
+        assert res["strategy"] == "FSDP2Strategy" and res["world_size"] == world, rank
+        assert res["in_backward"] is in_backward, rank
+        _check_steps(rank, res["steps"], ref)
+
+
+def _check_steps(rank: int, steps: list[dict], ref: list[dict]) -> None:
+    for step, (got, want) in enumerate(zip(steps, ref, strict=True)):
+        stats, where = got["stats"], (rank, step)
+        assert stats.items == want["items"], where
+        assert stats.loss == pytest.approx(want["loss"], rel=EXACT), where
+        assert stats.grad_norm == pytest.approx(want["norm"], rel=EXACT), where
+        assert stats.clipped and stats.clip_coef < 1, where
+        for name in want["params"]:  # the clipped gradient, and the parameters after the step
+            for key in ("grads", "params"):
+                torch.testing.assert_close(
+                    got[key][name], want[key][name], rtol=EXACT, atol=EXACT, msg=str(where)
+                )
