@@ -202,7 +202,9 @@ class ProcessGroupStrategy:
         if self.world_size != self.agree_ranks and not self.model_parallel:
             raise UnsupportedSetup(
                 f"dp_group spans {self.world_size} of {dist.get_world_size()} ranks; the "
-                "built-in strategies are data parallel over the whole default group"
+                "built-in strategies are data parallel over the whole default group, except "
+                "FSDP2TPStrategy (a model-parallel strategy sets model_parallel = True and "
+                "reduces its norm over the other ranks itself)"
             )
 
     @property
@@ -252,6 +254,7 @@ class ProcessGroupStrategy:
         if size != self.world_size:
             raise UnsupportedSetup(
                 f"{what} spans {size} of {self.world_size} ranks; gradstep supports data "
-                "parallelism over the whole default process group only (item counts are "
-                "summed over every rank)"
+                "parallelism over the whole default process group (DDP, FSDP2, HSDP) and "
+                "FSDP2 + tensor parallel over a (dp, tp) mesh; pipeline parallelism is not "
+                "supported (docs/distributed.md)"
             )

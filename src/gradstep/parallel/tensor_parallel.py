@@ -122,13 +122,15 @@ def _check_meshes(model: nn.Module, dp_mesh: Any, world: int) -> Any:
             raise UnsupportedSetup(
                 f"parameter {name} lies on mesh {names} of {mesh.size()} ranks; with FSDP2 "
                 f"over {dp_names} every parameter must lie on that mesh or on one that "
-                f"starts with it and spans all {world} ranks (FSDP2 + tensor parallel)"
+                f"starts with it and spans all {world} ranks (FSDP2 + tensor parallel); "
+                "pipeline parallelism is not supported (docs/distributed.md)"
             )
         full = mesh
     if full is None:
         raise UnsupportedSetup(
             f"the FSDP2 device mesh spans {dp_mesh.size()} of {world} ranks and no parameter "
             "is tensor parallel over the rest: gradstep supports data parallelism over the "
-            "whole default process group, HSDP, and FSDP2 + tensor parallel (a (dp, tp) mesh)"
+            "whole default process group, HSDP, and FSDP2 + tensor parallel (a (dp, tp) mesh); "
+            "pipeline parallelism is not supported (docs/distributed.md)"
         )
     return full
