@@ -119,7 +119,7 @@ class Stepper:
             self._oom is not None and self._strategy.agree_ranks > 1
         )
         # count=fn's all-reduce carries that agreement when it spans every rank.
-        self._plan_agrees = self._strategy.agree_ranks == self.world_size
+        self._plan_agrees = self._agree_first and self._strategy.agree_ranks == self.world_size
         self.step_count = 0
         self.skipped_steps = 0
         self.clipped_steps = 0
@@ -182,11 +182,9 @@ class Stepper:
     ) -> StepStats:
         """Run one window of micro-batches and take (or skip) one optimizer step.
 
-        ``count(micro_batch) -> int``: its items, the count ``loss_fn`` will return, asked
-        for every micro-batch before the first forward (one collective). Needed by
-        ``LossSum.aux`` terms, which are weighted by the window's global item count; it
-        also lets ``loss_fn`` return ``count=None`` (counted up front, not after each
-        forward).
+        ``count(micro_batch) -> int``: its items, asked before the first forward (one
+        collective). ``LossSum.aux`` terms need it (they are weighted by the window's item
+        count); with it ``loss_fn`` may return ``count=None``.
         """
         micro_batches = self._window(micro_batches, count)
         try:
@@ -237,8 +235,7 @@ class Stepper:
         plan = None
         if count is not None:
             micro_batches = list(micro_batches)
-            agree = self._agree_first and self._plan_agrees
-            plan = plan_counts(micro_batches, count, self._strategy, agree=agree)
+            plan = plan_counts(micro_batches, count, self._strategy, agree=self._plan_agrees)
         tally = Tally(self._strategy, plan)
         early = EarlyNorm.start(
             self.norm_in_backward, self._strategy, self._params, self._norm_type
