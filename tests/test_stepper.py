@@ -214,3 +214,58 @@ def test_step_stats_fields():
     assert stats.clipped == (ref_norm > 1.0)
     assert stats.post_clip_norm == pytest.approx(ref_norm * expected_coef, rel=1e-6)
     assert stats.lr == 0.1 and stats.skip_reason is None and stats.clip_threshold == 1.0
+
+
+# -------------------------------------------- found by the held-out check of the refactor
+
+
+def _counted_up_front(model, mb):  # noqa: ANN001, ANN202
+    return gradstep.LossSum(lm_loss(model, mb).total, None)
+
+
+class _SeenCounts:
+    def __init__(self) -> None:
+        self.seen: list = []
+
+    def on_micro_batch_end(self, stepper, index, is_last, loss) -> None:  # noqa: ANN001
+        self.seen.append(loss.count)
+
+
+def test_hooks_see_the_count_that_count_fn_gave_a_loss_without_one() -> None:
+    """``LossSum(total, None)`` with ``step(count=fn)``: ``on_micro_batch_end`` gets the
+    counted value, and the noise-scale hook (which reads it) measures what it measures with
+    the counts returned by the loss."""
+    mbs, _ = make_window([[3, 5], [2], [4, 1, 6]], seed=2)
+    count = lambda mb: int((mb["labels"] != -100).sum())  # noqa: E731
+    runs = {}
+    for name, loss_fn in (("returned", lm_loss), ("counted", _counted_up_front)):
+        torch.manual_seed(0)
+        model = TinyLM()
+        hook = _SeenCounts()
+        gns = gradstep.GradientNoiseScale()
+        stepper = gradstep.Stepper(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), hooks=[hook, gns]
+        )
+        for _ in range(2):
+            stepper.step(mbs, loss_fn, count=count)
+        runs[name] = ([int(c) for c in hook.seen], gns.state_dict())
+    assert runs["counted"][0] == runs["returned"][0] == [count(mb) for mb in mbs] * 2
+    assert runs["counted"][1] == runs["returned"][1]
+
+
+def test_what_the_stepper_was_built_with_cannot_be_reassigned_silently() -> None:
+    model = TinyLM()
+    stepper = gradstep.Stepper(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    built = {"on_oom": "split", "split_fn": lambda mb: (mb, mb), "norm_in_backward": True}
+    for name, value in built.items():
+        with pytest.raises(AttributeError, match=f"Stepper.{name} is fixed when it is built"):
+            setattr(stepper, name, value)
+    assert stepper.on_oom == "raise" and stepper.norm_in_backward is False
+    stepper.clip = gradstep.ClipNorm(0.5)  # the clip policies stay assignable
+
+
+def test_a_window_that_is_not_iterable_is_named() -> None:
+    model = TinyLM()
+    stepper = gradstep.Stepper(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(TypeError, match="micro_batches must be an iterable"):
+        stepper.step(5, lm_loss)

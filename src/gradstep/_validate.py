@@ -179,3 +179,20 @@ def check_optimizer_covers(named: Sequence[tuple[str, Any]], optimizer: Any) -> 
             f"{shown}. Their gradients would never be cleared and would count in the clip "
             "norm; pass them to the optimizer, or set requires_grad=False on them"
         )
+
+
+class Fixed:
+    """An attribute set once in ``__init__``: a later assignment raises instead of being
+    silently ignored (what it decided, e.g. the out-of-memory splitter or where the norm
+    is taken, was built from it)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name, self.slot = f"{owner.__name__}.{name}", f"_fixed_{name}"
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        return self if obj is None else getattr(obj, self.slot)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        if hasattr(obj, self.slot):
+            raise AttributeError(f"{self.name} is fixed when it is built: build a new one")
+        setattr(obj, self.slot, value)

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ._validate import check_number
-from .parallel.dtensor import norm32
+from .parallel.dtensor import first_copy, norm32, to_local
 from .policies import GradientView
 
 __all__ = ["GradientNoiseScale"]
@@ -46,10 +46,12 @@ class GradientNoiseScale:
     Reading them waits for the device; measuring does not.
 
     Works in every precision (squared norms in float32, the fp16 loss scale undone) and
-    strategy (under FSDP2 the hook sees each rank's unsharded micro-batch gradient; the
-    sums are all-reduced over the data-parallel group in one collective per step). A step
-    the Stepper skips (non-finite gradient, a policy's skip) is not measured. Saved and
-    restored with ``Stepper.state_dict()``.
+    strategy (under FSDP2 the hook sees each rank's unsharded micro-batch gradient; with
+    tensor parallelism on a (dp, tp) mesh each tensor-parallel peer's part of it, counted
+    so that every micro-batch gradient is measured whole and once; the sums are
+    all-reduced in one collective per step). A step the Stepper skips (non-finite
+    gradient, a policy's skip) is not measured. Saved and restored with
+    ``Stepper.state_dict()``.
     """
 
     def __init__(self, beta: float = 0.99) -> None:
@@ -66,12 +68,11 @@ class GradientNoiseScale:
     def on_param_grad(
         self, stepper: Any, index: int, name: str, param: nn.Parameter, grad: torch.Tensor
     ) -> None:
-        # At least float32, without a float32 copy of a half-precision gradient.
-        self._norms.append(norm32(grad))
+        self._norms.append(_counted_square(grad))
 
     def on_micro_batch_end(self, stepper: Any, index: int, is_last: bool, loss: Any) -> None:
         if self._norms:
-            sq = torch.stack(self._norms).double().square().sum()
+            sq = torch.stack(self._norms).sum()
             self._sq_sum = self._sq_sum + sq / stepper.loss_scale_factor**2
         self._norms = []
         n = torch.as_tensor(loss.count, dtype=torch.float64)
@@ -83,7 +84,11 @@ class GradientNoiseScale:
         dev = grads[0].device if grads else torch.device("cpu")
         sums = (self._sq_sum, self._n_sq_sum, self._n_sum)
         local = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=dev) for v in sums])
-        sq_sum, n_sq_sum, n = stepper.strategy.all_reduce_sum(local).unbind()
+        # Over every rank: the squares count each micro-batch gradient ``copies`` times
+        # (see _counted_square), and so do the sizes, which tensor-parallel peers share.
+        strategy = stepper.strategy
+        copies = strategy.agree_ranks // strategy.world_size
+        sq_sum, n_sq_sum, n = (strategy.agree_sum(local) / copies).unbind()
         window_sq = (n * view.total_norm(2.0)) ** 2  # |s|^2: the window's gradient sum
         denom = n * n - n_sq_sum
         grad_sq = (window_sq - sq_sum) / denom
@@ -172,3 +177,32 @@ class GradientNoiseScale:
         self._n_sum: Any = 0.0
         self._n_sq_sum: Any = 0.0
         self._pending: torch.Tensor | None = None
+
+
+def _counted_square(grad: torch.Tensor) -> torch.Tensor:
+    """This rank's share of the squared norm of one micro-batch gradient (float64), such
+    that the shares summed over every rank are ``copies`` times the sum over the
+    data-parallel ranks of the whole gradients' squared norms, ``copies`` being the ranks
+    per data-parallel rank (``agree_ranks / world_size``: 1 unless tensor parallel).
+
+    Tensor-parallel peers hold one micro-batch gradient between them: a plain tensor (a
+    parameter outside the tensor-parallel plan, or no tensor parallelism) is a whole copy
+    on each of them; a DTensor on the tensor-parallel mesh of ``m`` ranks is split over
+    its ``Shard`` dims and copied along its ``Replicate`` dims, so its first copy counts
+    ``m`` times. A ``Partial`` one (a sequence-parallel norm's weight: each rank's part of
+    a sum) is reduced first, a collective of its mesh inside the backward, which every
+    peer runs at the same point of the same graph.
+    """
+    mesh = getattr(grad, "device_mesh", None)
+    if mesh is not None:
+        placements = tuple(grad.placements)  # type: ignore[attr-defined]
+        if any(pl.is_partial() for pl in placements):
+            from torch.distributed.tensor import Replicate
+
+            whole = [Replicate() if pl.is_partial() else pl for pl in placements]
+            grad = grad.redistribute(mesh, whole)  # type: ignore[attr-defined]
+        if not first_copy(grad):
+            return torch.zeros((), dtype=torch.float64, device=to_local(grad).device)
+    # At least float32, without a float32 copy of a half-precision gradient.
+    square = norm32(to_local(grad)).double().square()
+    return square * mesh.size() if mesh is not None else square

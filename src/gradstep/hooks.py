@@ -15,7 +15,11 @@ The points, in step order:
   this rank's micro-batch, before the reduce-scatter; ``grad`` is the local, un-normalised
   gradient of the loss SUM,
   multiplied by the fp16 loss scale and pre-scale when fp16 runs: divide by
-  ``stepper.loss_scale_factor`` to undo both). The tensor is only lent: read it (a norm, a
+  ``stepper.loss_scale_factor`` to undo both). Under FSDP2 + tensor parallel it is this
+  rank's view of that gradient: a DTensor on the tensor-parallel mesh for a parameter in
+  the plan (``Shard``, ``Replicate``, or ``Partial`` for a sequence-parallel norm), a plain
+  tensor copied on every tensor-parallel peer for one outside it; measure it whole as
+  :class:`~gradstep.GradientNoiseScale` does. The tensor is only lent: read it (a norm, a
   dot product) and keep scalars, so no full-size buffer is needed. Only hooks that define
   this method cost anything: the Stepper registers the gradient hooks for them alone.
 - ``on_micro_batch_end(stepper, index, is_last, loss)``: after micro-batch ``index``'s

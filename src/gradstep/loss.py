@@ -114,9 +114,10 @@ def _check_aux(aux: Mapping[str, Any]) -> None:
             raise ValueError(f"LossSum.aux[{name!r}] does not require grad: it adds nothing")
 
 
-def check_count(count: object) -> None:
+def check_count(count: object, sign: bool = True) -> None:
     """``LossSum.count``: an int >= 0 or a 0-dim integer tensor (a tensor's sign is checked
-    where it is read, so that a device tensor costs no host sync here)."""
+    where it is read, so that a device tensor costs no host sync here; ``sign=False``
+    leaves an int's sign to the caller too, which checks it on every rank alike)."""
     if count is None:
         raise TypeError(
             "LossSum.count is None, which means 'the count of step(..., count=fn)': pass "
@@ -127,5 +128,5 @@ def check_count(count: object) -> None:
             raise TypeError("LossSum.count must be an int or a 0-dim integer tensor")
     elif not isinstance(count, int) or isinstance(count, bool):
         raise TypeError(f"LossSum.count must be an int >= 0, got {type(count).__name__}")
-    elif count < 0:
+    elif sign and count < 0:
         raise ValueError(f"LossSum.count must be >= 0, got {count}")

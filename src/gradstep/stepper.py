@@ -54,13 +54,10 @@ class Stepper:
             Default: ``ClipNorm(1.0)``, as ``transformers.Trainer``'s ``max_grad_norm=1.0``;
             pass ``clip=None`` for a plain PyTorch step.
         precision: ``"fp32"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast + GradScaler).
-        accum_dtype: dtype gradients accumulate in; None means float32 for parameters held
-            in bf16/fp16, and the parameter dtype otherwise.
-        sync_each_micro_batch: reduce gradients after every micro-batch (FSDP memory)
-            instead of only after the last.
+        accum_dtype: dtype gradients accumulate in; None: float32 for bf16/fp16 parameters.
+        sync_each_micro_batch: reduce after every micro-batch, not only the last (memory).
         hooks: observers called at fixed points of every step (:mod:`gradstep.hooks`).
-        strategy: how gradients are synchronised (:mod:`gradstep.parallel`); None detects
-            it from the model's wrapper.
+        strategy: a :mod:`gradstep.parallel` strategy; None detects it from the model.
         on_oom: ``"raise"`` (default), or ``"split"``: after out-of-memory in a micro-batch
             (on any rank), drop the window, halve every micro-batch and run it again; later
             windows start halved; the update is unchanged (:mod:`gradstep.oom`).
@@ -70,6 +67,10 @@ class Stepper:
             the same norm to rounding. ``"auto"`` (default): when the gradients hold at
             least 32 MiB and the strategy and precision allow it.
     """
+
+    on_oom = _validate.Fixed()
+    split_fn = _validate.Fixed()
+    norm_in_backward = _validate.Fixed()
 
     def __init__(
         self,

@@ -78,7 +78,9 @@ def check_micro_batches(micro_batches: Any) -> None:
     """Refuse what is one batch, not a window of them. A tuple too: (inputs, targets) is
     the usual shape of ONE batch, and iterating it would run the inputs and the targets
     as two micro-batches."""
-    if isinstance(micro_batches, (dict, torch.Tensor, tuple, str, bytes)):
+    if isinstance(micro_batches, (dict, torch.Tensor, tuple, str, bytes)) or not isinstance(
+        micro_batches, Iterable
+    ):
         raise TypeError(
             "micro_batches must be an iterable of micro-batches forming one window (a list "
             f"or a generator; not a tuple or a string), got a {type(micro_batches).__name__}; "
@@ -137,6 +139,8 @@ class Loop:
                     with self.guard(mb), self.autocast():
                         loss = check_loss_sum(self.loss_fn(model, mb), count=False)
                     backprop, items = tally.add(loss)  # the loss sum (+ weighted aux terms)
+                    if loss.count is None:  # hooks see the count step(count=fn) gave it
+                        loss = LossSum(loss.total, items, loss.aux)
                     with self.guard(mb), self.observe(n - 1), self.final if is_last else NULL:
                         precision.backward(backprop, items, self.mean_over_ranks)
                 for call in self.on_end:
@@ -295,8 +299,8 @@ class Tally:
         this rank's gradient norm; ``summed``: its ``norm_type``-th power is to be summed
         over the ranks (a sharded gradient), else it is already the global norm. Raises
         on a window-length, count, sign or aux-name error, on every rank alike."""
-        for c in self.counts:  # once per window, not between forward and backward
-            check_count(c)
+        for c in self.counts:  # once per window; a sign on every rank, after the collective
+            check_count(c, sign=False)
         local, mine = self._local_vector()
         if summed:
             local = torch.cat([local, norm.reshape(1).to(local) ** norm_type])
@@ -321,7 +325,8 @@ class Tally:
         tail = [float(n), float(n * n), float(self.mixed is not None), *names]
         if all(isinstance(c, int) for c in self.counts):  # counted on the host
             wrong = sum(c != w for c, w in zip(self.counts, want, strict=True)) if want else 0
-            host = [float(sum(self.counts)), 0.0, float(wrong), *tail]
+            negative = sum(c < 0 for c in self.counts)
+            host = [float(sum(self.counts)), float(negative), float(wrong), *tail]
             local = torch.cat([loss, torch.tensor(host, dtype=f64, device=dev), *aux])
             return local, local[1:2].clone()  # before the all-reduce, which may be in place
         if all(isinstance(c, torch.Tensor) for c in self.counts):

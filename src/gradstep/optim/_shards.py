@@ -20,29 +20,39 @@ import torch
 from ..parallel import collectives
 from ..parallel.dtensor import ShardGroups, wide_dtype
 
-__all__ = ["reduce_over_shards", "whole_norms"]
+__all__ = ["reduce_over_shards", "sum_parts", "whole_norms"]
 
 
-def reduce_over_shards(values: torch.Tensor, layouts: Sequence[ShardGroups]) -> torch.Tensor:
-    """``values[i]`` (a per-tensor local sum) summed over the shards of tensor ``i``.
+def sum_parts(parts: Sequence[torch.Tensor], layouts: Sequence[ShardGroups]) -> list[torch.Tensor]:
+    """Each of ``parts`` (local sums of any shape: per tensor, per row) summed over the
+    groups of its layout; replicated ones (an empty layout) as they are.
 
-    One ``all_reduce`` per distinct layout: FSDP2 and HSDP have one, so a step costs one
-    collective however many parameters it has.
+    The parts of one layout travel together: one ``all_reduce`` per group of each distinct
+    layout, in the order the layouts first appear (the same on every rank: the ranks list
+    the same parameters). FSDP2 and HSDP have one layout; a (dp, tp) mesh a few.
     """
+    out = list(parts)
     by_layout: dict[ShardGroups, list[int]] = {}
     for i, layout in enumerate(layouts):
         if layout:
             by_layout.setdefault(layout, []).append(i)
-    if not by_layout:
-        return values
-    values = values.clone()
     for layout, idx in by_layout.items():
-        index = torch.tensor(idx, device=values.device)
-        part = values.index_select(0, index)
+        part = torch.cat([parts[i].reshape(-1) for i in idx])
         for group in layout:
             part = collectives.all_reduce_sum(part, group)
-        values.index_copy_(0, index, part)
-    return values
+        pieces = part.split([parts[i].numel() for i in idx])
+        for i, piece in zip(idx, pieces, strict=True):
+            out[i] = piece.view_as(parts[i])
+    return out
+
+
+def reduce_over_shards(values: torch.Tensor, layouts: Sequence[ShardGroups]) -> torch.Tensor:
+    """``values[i]`` (a per-tensor local sum) summed over the shards of tensor ``i``: one
+    ``all_reduce`` per distinct layout (FSDP2 and HSDP have one, so a step costs one
+    collective however many parameters it has)."""
+    if not any(layouts):
+        return values
+    return torch.stack(sum_parts(list(values.unbind(0)), layouts))
 
 
 def whole_norms(tensors: Sequence[torch.Tensor], layouts: Sequence[ShardGroups]) -> torch.Tensor:

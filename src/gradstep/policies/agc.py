@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from .._validate import check_choice, check_positive
-from ..errors import UnsupportedSetup
+from ..optim._shards import reduce_over_shards, sum_parts
 from ..parallel import collectives
-from ..parallel.dtensor import norm32, shard_groups, to_local
+from ..parallel.dtensor import ShardGroups, norm32, shard_groups, to_local
 from .base import ClipResult, GradientView
 from .registry import register
 
@@ -19,36 +19,35 @@ __all__ = ["AGC", "ZERO_WEIGHTS", "find_output_layer"]
 ZERO_WEIGHTS = ("skip", "eps")
 
 
-def _check_layout(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """The one DTensor whose shard groups stand for all of them (None: no DTensor).
+def _unit_groups(t: torch.Tensor) -> tuple[ShardGroups, ShardGroups]:
+    """The process groups a matrix's per-row sums cross, and those its rows are spread over.
 
-    AGC supports DTensors sharded on dim 0 (FSDP2, HSDP) on one shared mesh: a unit (row)
-    of a dim-0-sharded matrix then lives on one rank, so only whole-tensor norms need a
-    reduction, and one set of groups serves every tensor.
+    A unit is a row (dim 0) of ``t``. A mesh dim that shards a dim >= 1 (tensor parallel's
+    rowwise ``Shard(1)``) splits every row: a row's sum is reduced over it. One that shards
+    dim 0 (FSDP2's ``Shard(0)``, ``_StridedShard(0)`` on a (dp, tp) mesh, colwise
+    ``Shard(0)``) gives each rank whole rows: nothing to reduce for a row, but counts over
+    rows (and whole-matrix sums of row sums) add up over it. ``Replicate`` dims are copies:
+    neither. ``shard_groups`` refuses what is neither (``Partial``).
     """
-    dts = [t for t in tensors if hasattr(t, "device_mesh")]
-    if not dts:
-        return None
-    from torch.distributed.tensor import Replicate, Shard
-
-    mesh, placements = dts[0].device_mesh, tuple(dts[0].placements)
-    for t in dts:
-        if t.device_mesh != mesh or tuple(t.placements) != placements:
-            raise UnsupportedSetup(
-                "AGC supports DTensor parameters on one device mesh with identical "
-                f"placements; got {placements} and {tuple(t.placements)}"
-            )
-    for pl in placements:
-        if not (isinstance(pl, Replicate) or (isinstance(pl, Shard) and pl.dim == 0)):
-            raise UnsupportedSetup(
-                f"AGC supports Shard(0)/Replicate placements (FSDP2, HSDP), got {placements}"
-            )
-    return dts[0]
+    split = shard_groups(t)
+    placements = [pl for pl in getattr(t, "placements", ()) if not pl.is_replicate()]
+    within = tuple(g for g, pl in zip(split, placements, strict=True) if pl.dim >= 1)
+    across = tuple(g for g, pl in zip(split, placements, strict=True) if pl.dim == 0)
+    return within, across
 
 
-def _unit_coefs(w: torch.Tensor, g: torch.Tensor, clipping: float, eps: float) -> torch.Tensor:
-    """Per-row factor min(1, clipping * max(||W_i||, eps) / ||G_i||)."""
-    return _coef_from_norms(norm32(w.flatten(1), dim=1), norm32(g.flatten(1), dim=1), clipping, eps)
+def _row_squares(
+    mats: Sequence[tuple[torch.Tensor, torch.Tensor, ShardGroups]],
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per matrix, the squared norms of its rows' weights and gradients (local rows),
+    reduced over the groups that split a row; one all-reduce per distinct layout, none when
+    every row is whole on its rank (FSDP2, HSDP, colwise tensor parallel)."""
+    parts = [
+        norm32(x.flatten(1), dim=1).to(torch.float64).square() for w, g, _ in mats for x in (w, g)
+    ]
+    layouts = [within for _, _, within in mats for _ in (0, 1)]
+    summed = sum_parts(parts, layouts)
+    return list(zip(summed[0::2], summed[1::2], strict=True))
 
 
 def _coef_from_norms(
@@ -57,6 +56,21 @@ def _coef_from_norms(
     max_norm = clipping * w_norm.clamp_min(eps)
     # g_norm > max_norm > 0 where it is used, so the division is safe.
     return torch.where(g_norm > max_norm, max_norm / g_norm, torch.ones_like(g_norm))
+
+
+def _unit_coefs(
+    mats: Sequence[tuple[torch.Tensor, torch.Tensor, ShardGroups]], clipping: float, eps: float
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per matrix, each local row's factor min(1, clipping * max(||W_i||, eps) / ||G_i||)
+    and its rows' squared weight norms."""
+    if not any(within for _, _, within in mats):  # every row whole here: no collective
+        w_rows = [norm32(w.flatten(1), dim=1) for w, _, _ in mats]
+        g_rows = [norm32(g.flatten(1), dim=1) for _, g, _ in mats]
+        coefs = [_coef_from_norms(w, g, clipping, eps) for w, g in zip(w_rows, g_rows, strict=True)]
+        return coefs, [w.to(torch.float64).square() for w in w_rows]
+    squares = _row_squares(mats)
+    coefs = [_coef_from_norms(w.sqrt(), g.sqrt(), clipping, eps) for w, g in squares]
+    return coefs, [w for w, _ in squares]
 
 
 @torch.no_grad()
@@ -70,34 +84,39 @@ def _clip_unitwise(
 
     ``skip_zero``: a matrix whose weights are all zero (a zero-initialised LoRA B) has no
     scale to clip against and is left unclipped. Whether a sharded matrix is all zero needs
-    every shard, so its squared norm joins the one all-reduce.
-    One host sync at the end (the count), so on a GPU the loop only queues kernels.
+    every shard, so its squared norm joins the one all-reduce of per-tensor sums.
+    Sharded parameters (FSDP2, HSDP, tensor parallel on a 2-D mesh, on several meshes) are
+    measured whole: see :func:`_unit_groups`. One host sync at the end (the count), so on a
+    GPU the loop only queues kernels.
     """
-    first = _check_layout([p for p, _ in pairs])
-    groups = shard_groups(first) if first is not None else ()
     device = to_local(pairs[0][1]).device if pairs else torch.device("cpu")
-    mats: list[tuple[torch.Tensor, torch.Tensor]] = []
+    mats: list[tuple[torch.Tensor, torch.Tensor, ShardGroups]] = []
+    mat_layouts: list[ShardGroups] = []
     whole: list[tuple[torch.Tensor, torch.Tensor]] = []
+    whole_layouts: list[ShardGroups] = []
     for p, g in pairs:
         w, gl = to_local(p.detach()), to_local(g)
         if p.dim() > 1:
-            mats.append((w, gl))
+            within, across = _unit_groups(p)
+            mats.append((w, gl, within))
+            mat_layouts.append(across)
         else:
             whole.append((w, gl))
-    mat_coefs = [_unit_coefs(w, gl, clipping, eps) for w, gl in mats]
-    # One all-reduce over the shard groups of: per matrix, sum w^2 and its clipped units;
-    # per whole tensor, sum w^2 and sum g^2.
-    parts = [norm32(w).square().to(torch.float64) for w, _ in mats]
-    parts += [(c < 1).sum().to(torch.float64) for c in mat_coefs]
-    parts += [norm32(t).square().to(torch.float64) for wg in whole for t in wg]
+            whole_layouts.append(shard_groups(p))
+    mat_coefs, w_rows = _unit_coefs(mats, clipping, eps)
+    # One vector of per-tensor sums, reduced per layout: per matrix, sum w^2 and its
+    # clipped units (over the groups spreading its rows); per whole tensor, sum w^2 and
+    # sum g^2 (over every group sharding it).
+    parts = [w.sum() for w in w_rows] + [(c < 1).sum().to(torch.float64) for c in mat_coefs]
+    parts += [norm32(t).to(torch.float64).square() for wg in whole for t in wg]
+    layouts = mat_layouts * 2 + [lay for lay in whole_layouts for _ in (0, 1)]
     stacked = torch.stack(parts) if parts else torch.zeros(0, dtype=torch.float64, device=device)
-    for group in groups:
-        stacked = collectives.all_reduce_sum(stacked, group)
+    stacked = reduce_over_shards(stacked, layouts)
     n = len(mats)
     mat_sq, mat_clipped, whole_sq = stacked[:n], stacked[n : 2 * n], stacked[2 * n :]
     keep = (mat_sq > 0) if skip_zero else torch.ones_like(mat_sq, dtype=torch.bool)
     count = (mat_clipped * keep).sum()
-    for (_, gl), coef, kept in zip(mats, mat_coefs, keep, strict=True):
+    for (_, gl, _), coef, kept in zip(mats, mat_coefs, keep, strict=True):
         coef = torch.where(kept, coef, torch.ones_like(coef))
         gl.mul_(coef.to(gl.dtype).view(-1, *([1] * (gl.dim() - 1))))
     if whole:
@@ -119,9 +138,10 @@ class AGC:
     ``AGC(exclude=gradstep.find_output_layer(model))``. Names are checked against the
     model on the first step, so a typo fails instead of silently clipping everything.
 
-    Works on plain, DDP and FSDP2 (dim-0 sharded DTensor) models, and on low-precision
-    parameters whose gradients accumulate in fp32 buffers (it clips the buffers, before the
-    single rounding), through ``GradientView.named_grads``.
+    Works on plain, DDP, FSDP2 and HSDP models, on FSDP2 + tensor parallel (a (dp, tp)
+    mesh, rowwise weights' rows split over tp, parameters outside the plan on the dp mesh
+    alone), and on low-precision parameters whose gradients accumulate in fp32 buffers (it
+    clips the buffers, before the single rounding), through ``GradientView.named_grads``.
     ``StepStats.policies`` reports ``threshold = clipping`` (a ratio, not a norm).
 
     ``zero_weights``: what to do with a matrix (>= 2 dims) whose weights are ALL zero, such
