@@ -173,6 +173,18 @@ class TrainConfig:
     )
     precision: str = _f("fp32", "compute precision", choices=PRECISIONS)
     strategy: str = _f("none", "data-parallel strategy", choices=STRATEGIES)
+    tp: int = _f(
+        1,
+        "tensor-parallel ranks, with --strategy fsdp and the demo GPT: each block's attention "
+        "(whole heads) and MLP split over N ranks that read the same data, FSDP2 over the "
+        "other ranks (a (dp, tp) mesh); N divides the ranks and --n-head",
+    )
+    hsdp: int = _f(
+        1,
+        "HSDP replicas, with --strategy fsdp: parameters sharded within each of R groups of "
+        "ranks and copied across them (replicate across nodes, shard within); R divides the "
+        "ranks",
+    )
     device: str = _f("auto", "auto (cuda if available), cpu, cuda, cuda:N or mps")
     # One thread by default: two spin-waiting OpenMP threads slow down up to 20x as soon as
     # another process shares a 2-core CPU; one thread only loses its share of the CPU.

@@ -48,7 +48,8 @@ WARMUP_MAX = 20
 """Auto warm-up: 20 steps, or a fifth of --max-steps for runs shorter than 100 steps."""
 
 _AT_LEAST_ONE = (
-    "seq_len", "accum_steps", "max_steps", "eval_batches", "log_every", "keep_checkpoints"
+    "seq_len", "accum_steps", "max_steps", "eval_batches", "log_every", "keep_checkpoints",
+    "tp", "hsdp",
 )  # fmt: skip
 _AT_LEAST_ZERO = ("warmup", "eval_every", "sample_tokens", "save_every", "threads")
 INITS = ("pretrained", "random")
@@ -99,6 +100,7 @@ def validate(cfg: TrainConfig) -> None:
     _run(cfg)
     for name, allowed in _CHOICES.items():
         _choice(name, getattr(cfg, name), allowed)
+    _mesh(cfg)
     if not 0.0 <= cfg.gns_beta < 1.0:
         raise ConfigError(f"--gns-beta must be in [0, 1), got {cfg.gns_beta}")
     kind, colon, index = cfg.device.partition(":")
@@ -217,6 +219,42 @@ def _model(cfg: TrainConfig) -> None:
             f"--dropout is the demo GPT's; with --model {cfg.model} the model's config.json "
             "sets its dropout (e.g. attention_dropout): drop --dropout, or edit the config "
             "(for adapters: --lora-dropout)"
+        )
+
+
+def _mesh(cfg: TrainConfig) -> None:
+    """--tp and --hsdp: FSDP2 on a 2-D mesh, one of the two; tensor parallel splits the demo
+    GPT's heads. The number of ranks they must divide is checked at launch (preflight)."""
+    for name in ("tp", "hsdp"):
+        value = getattr(cfg, name)
+        if value > 1 and cfg.strategy != "fsdp":
+            raise ConfigError(
+                f"{flag(name)} {value} needs --strategy fsdp (FSDP2 on a 2-D mesh), got "
+                f"--strategy {cfg.strategy}"
+            )
+    if cfg.tp > 1 and cfg.hsdp > 1:
+        raise ConfigError(
+            f"--tp {cfg.tp} and --hsdp {cfg.hsdp} do not combine (HSDP with tensor parallel "
+            "is not supported): pass one of them"
+        )
+    if cfg.tp == 1:
+        return
+    if cfg.is_hf:
+        raise ConfigError(
+            f"--tp {cfg.tp} needs --model gpt: the demo has a tensor-parallel plan for its own "
+            f"GPT only, not for --model {cfg.model}; use --hsdp or plain --strategy fsdp"
+        )
+    if cfg.n_head % cfg.tp:
+        fits = [n for n in range(1, cfg.n_head + 1) if cfg.n_head % n == 0]
+        raise ConfigError(
+            f"--tp {cfg.tp} must divide --n-head ({cfg.n_head}): each tensor-parallel rank "
+            f"holds whole heads; use --tp {' or '.join(map(str, fits))}"
+        )
+    if cfg.dropout:
+        raise ConfigError(
+            f"--dropout {cfg.dropout:g} with --tp {cfg.tp} is not supported: tensor-parallel "
+            "ranks would need the same dropout masks on their shared activations and their "
+            "own on their heads; drop --dropout (0) or --tp"
         )
 
 

@@ -78,13 +78,16 @@ def optimizer_memory(cfg: TrainConfig) -> OptimizerMemory:
 
 
 def estimate_kwargs(cfg: TrainConfig, device: torch.device, world: int) -> dict:
-    """What the analytic model needs besides the shape: precision, sharding, optimizer,
+    """What the analytic model needs besides the shape: precision, sharding (over ``world``
+    launched ranks; ``--tp``/``--hsdp``: the 2-D mesh), optimizer,
     dropout (on CPU with dropout torch's attention takes the math path: s^2 matrices), and
     for an HF model the dtype of its frozen base (LoRA; ``hf_model.param_dtype``)."""
     out = {
         "compute_dtype": _COMPUTE[cfg.precision],
         "world_size": world,
         "sharded": cfg.strategy == "fsdp",
+        "tp": cfg.tp,
+        "hsdp": cfg.hsdp,
         "optimizer": optimizer_memory(cfg),
         "dropout": cfg.dropout,
         "attention": "math" if cfg.dropout > 0 and device.type == "cpu" else "fused",

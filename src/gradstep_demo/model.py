@@ -85,25 +85,33 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal attention using the fused SDPA kernel."""
+    """Multi-head causal attention using the fused SDPA kernel.
+
+    The fused ``qkv`` projection is laid out head-major: its output rows are, per head,
+    that head's q, k and v (``3 * head_dim`` rows each). A contiguous slice of its rows is
+    then a set of whole heads, which is what tensor parallelism's ``ColwiseParallel`` gives
+    each rank; the forward reads the number of heads it holds from the projection's output
+    width, so the same code runs on all heads or on a rank's share of them.
+    """
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.n_head = cfg.n_head
+        self.n_head, self.head_dim = cfg.n_head, cfg.head_dim
         self.dropout = cfg.dropout
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.n_head, c // self.n_head).permute(2, 0, 3, 1, 4)
+        b, t, _ = x.shape
+        # (b, t, heads here, 3, hd) -> (3, b, heads, t, hd)
+        q, k, v = self.qkv(x).view(b, t, -1, 3, self.head_dim).permute(3, 0, 2, 1, 4)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # Right padding only: a real token never attends to a later pad, so the causal mask
         # is the only mask needed and the fused kernel stays usable.
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )
-        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class MLP(nn.Module):

@@ -49,6 +49,7 @@ from gradstep.memory import (
 from .config import ConfigError, TrainConfig
 from .estimate import estimate_kwargs, quiet, quiet_hf_config, shape_of
 from .model import GPTConfig
+from .parallel_plan import prepare
 
 __all__ = [
     "Planned",
@@ -138,10 +139,11 @@ def _fixed_bytes(cfg: TrainConfig, device: torch.device) -> int:
 
 
 def predict_fixed(cfg: TrainConfig, device: torch.device, world: int) -> int:
-    """Analytic peak per rank of the run's fixed micro-batch size (cheap: no model built)."""
+    """Analytic peak per rank of the run's fixed micro-batch size on ``world`` launched
+    ranks (cheap: no model built)."""
     from .batching import layout_for
 
-    layout = layout_for(cfg, world)
+    layout = layout_for(cfg, world // cfg.tp)  # the batch is split over the data ranks
     est = estimate_step_memory(
         shape_of(cfg),
         layout.micro_batch_size,
@@ -199,7 +201,7 @@ def _probe_model(cfg: TrainConfig, device: torch.device, checkpointing: bool) ->
         model = build_model(cfg).to(device)
     if checkpointing:
         checkpoint_blocks(model)
-    model = parallel.prepare_model(model, cfg.strategy, cfg.precision)
+    model = prepare(model, cfg)
     return Stepper(model, build_optimizer(model, cfg), clip=None, precision=cfg.precision)
 
 
@@ -253,7 +255,7 @@ def _probe(
 
     widths = sweep_widths(cfg.seq_len, SWEEP_SHAPES, data.lengths)
     world = parallel.world_size()
-    per_rank = math.ceil(cfg.global_batch / world)  # type: ignore[operator]
+    per_rank = math.ceil(cfg.global_batch / (world // cfg.tp))  # type: ignore[operator]
     try:
         result = probe_memory(
             lambda b: step(b, data.width),
@@ -320,10 +322,11 @@ def plan_run(
     if cfg.global_batch is None:
         raise ConfigError("planning needs --global-batch: the sequences per optimizer step")
     world = parallel.world_size()
+    data_ranks = world // cfg.tp  # tensor-parallel peers share their micro-batches
     _settle_process(cfg, device)  # before the probe: it measures the settled process
     data = _data(cfg, source)  # held until planned: the probe's baseline holds it
     budget = device_budget(cfg, device)
-    per_rank = math.ceil(cfg.global_batch / world)
+    per_rank = math.ceil(cfg.global_batch / data_ranks)
     kwargs = estimate_kwargs(cfg, device, world)
     result, probe_ckpt, build_peak = None, False, 0
     if probe:
@@ -349,12 +352,12 @@ def plan_run(
         plan = plan_step(
             budget,
             cfg.global_batch,
-            world_size=world,
+            world_size=data_ranks,
             predict=predict,
             step_time=timer,
             margin=MARGIN,
         )
-        plan.timed = timed
+        plan.timed, plan.tp = timed, cfg.tp
         plan.probe_peak_bytes = result.highest_bytes if result is not None else 0
     except BudgetTooSmall as exc:
         error = f"--memory-budget: {exc}"

@@ -24,28 +24,48 @@ def check_run(cfg: TrainConfig, env: parallel.DistEnv, *, planning: bool = False
     also refuse what the planner cannot plan.
     """
     _check_launch(cfg, env)
+    _check_mesh(cfg, env.world_size)
     _check_device(cfg, env.device)
-    if cfg.eval_batches < env.world_size:
+    data_ranks = env.world_size // cfg.tp  # tensor-parallel peers read the same data
+    if cfg.eval_batches < data_ranks:
         raise ConfigError(
-            f"--eval-batches must be >= the number of ranks ({env.world_size}): every rank "
-            f"evaluates at least one batch, got {cfg.eval_batches}"
+            f"--eval-batches must be >= the number of {_ranks(cfg)} ({data_ranks}): every "
+            f"rank evaluates at least one batch, got {cfg.eval_batches}"
         )
     if cfg.global_batch is not None:
-        check_global_batch(cfg.global_batch, env.world_size)
+        check_global_batch(cfg.global_batch, data_ranks, _ranks(cfg))
     if planning:
         _check_plannable(cfg)
 
 
-def check_global_batch(global_batch: int, world_size: int) -> None:
-    """A global batch every rank takes an equal, non-empty share of (train splits it so)."""
+def check_global_batch(global_batch: int, world_size: int, ranks: str = "ranks") -> None:
+    """A global batch every rank takes an equal, non-empty share of (train splits it so).
+
+    ``world_size``: the ranks that read different data (``ranks`` says which, in the
+    message: "data-parallel ranks" under ``--tp``)."""
     if global_batch % world_size:  # also covers global_batch < world_size (it is >= 1)
         below = global_batch - global_batch % world_size
         nearest = f"{below} or {below + world_size}" if below else str(world_size)
         raise ConfigError(
-            f"--global-batch ({global_batch}) must be a multiple of the number of ranks "
+            f"--global-batch ({global_batch}) must be a multiple of the number of {ranks} "
             f"({world_size}): every rank takes the same number of sequences per step; "
             f"use e.g. {nearest}"
         )
+
+
+def _ranks(cfg: TrainConfig) -> str:
+    return "data-parallel ranks" if cfg.tp > 1 else "ranks"
+
+
+def _check_mesh(cfg: TrainConfig, world: int) -> None:
+    """--tp and --hsdp divide the launched ranks (a 2-D mesh of them)."""
+    for name, value in (("tp", cfg.tp), ("hsdp", cfg.hsdp)):
+        if world % value:
+            fits = [n for n in range(1, world + 1) if world % n == 0]
+            raise ConfigError(
+                f"--{name} {value} must divide the number of ranks ({world}): use --{name} "
+                f"{' or '.join(map(str, fits))}, or launch a multiple of {value} processes"
+            )
 
 
 def _check_launch(cfg: TrainConfig, env: parallel.DistEnv) -> None:

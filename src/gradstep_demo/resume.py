@@ -101,7 +101,8 @@ def open_run(
     on_rank0(lambda: claims.append(folder.enter_context(run_folder.locked(Path(cfg.out)))))
     info = run_folder.find_checkpoint(cfg)
     on_rank0(lambda: run_folder.prepare(cfg, info))
-    cfg, notes = run_folder.resumed_settings(cfg, info, given, env.world_size)
+    # --tp is this invocation's (never the checkpoint's): its data ranks resume the batch.
+    cfg, notes = run_folder.resumed_settings(cfg, info, given, env.world_size // cfg.tp)
     preflight.check_run(cfg, env)  # the resumed settings, before anything is planned
     on_rank0(lambda: claims[0]())  # accepted: the lock file names this process
     return cfg, info, notes
@@ -180,13 +181,14 @@ def load(run: _Run, info: CheckpointInfo) -> list[str]:
     Checkpointer(info.path.parent, trainable_only=run.cfg.lora > 0).load(info, **objects)
     run.start = info.step
     lines = [f"resumed from {info.path} (step {info.step})"]
-    if info.accum_steps is not None and info.world_size != run.world_size:
+    if info.accum_steps is not None and info.dp_size != run.data_ranks:
         rows = run.layout.rows_per_rank
         what = "accum_steps" if rows is None else "sequences per step"
         now = run.accum_steps if rows is None else rows
+        ranks = "rank(s)" if info.dp_size == info.world_size else "data-parallel rank(s)"
         lines.append(
-            f"the checkpoint ran {info.world_size} rank(s) x {what} {info.accum_steps}: "
-            f"using {what} {now} on {run.world_size} to keep the global batch"
+            f"the checkpoint ran {info.dp_size} {ranks} x {what} {info.accum_steps}: "
+            f"using {what} {now} on {run.data_ranks} to keep the global batch"
         )
     return lines
 
@@ -198,6 +200,7 @@ def checkpointer(run: _Run) -> Checkpointer:
         run.cfg.keep_checkpoints,
         accum_steps=run.layout.stream_items_per_window,
         micro_batch_size=run.layout.stream_rows,
+        dp_size=run.data_ranks,
         trainable_only=run.cfg.lora > 0,  # the frozen base is rebuilt from the seed
     )
 

@@ -90,6 +90,8 @@ ENVIRONMENT = frozenset(
         "device",
         "threads",
         "strategy",
+        "tp",
+        "hsdp",
         "collective_timeout",
     }
 )
@@ -350,14 +352,16 @@ def _horizon_notes(max_steps: int, horizon: int, min_lr: float) -> list[str]:
 def resumed_settings(
     cfg: TrainConfig, info: CheckpointInfo | None, given: frozenset[str], world: int
 ) -> tuple[TrainConfig, list[str]]:
-    """What a resumed run runs (the checkpoint's settings, plus what may change)."""
+    """What a resumed run runs (the checkpoint's settings, plus what may change) on
+    ``world`` data-parallel ranks (the ranks, except under --tp)."""
     if info is None:
         return cfg, []
     saved = saved_settings(info)
-    if (saved or {}).get("batch_ramp") is not None and info.world_size != world:
+    if (saved or {}).get("batch_ramp") is not None and info.dp_size != world:
+        ranks = "rank(s)" if info.dp_size == info.world_size else "data-parallel rank(s)"
         raise ConfigError(
             f"this run ramps its batch (batch_ramp={saved['batch_ramp']!r}) and was saved on "
-            f"{info.world_size} rank(s): resume it on {info.world_size}, not {world} (a ramp's "
+            f"{info.dp_size} {ranks}: resume it on {info.dp_size}, not {world} (a ramp's "
             "micro-batches per rank do not rescale)"
         )
     if (saved or {}).get("global_batch", cfg.global_batch) is not None:

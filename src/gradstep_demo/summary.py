@@ -40,7 +40,7 @@ def build(run: Any, losses: dict[str, Any], started: float) -> dict[str, Any]:
     """The run's ``summary.json``: losses, batch, events, wall time and a sample."""
     cfg, stepper = run.cfg, run.stepper
     layout = run.layout
-    effective = layout.stream_items_per_window * layout.stream_rows * run.world_size
+    effective = layout.stream_items_per_window * layout.stream_rows * run.data_ranks
     return {
         **losses,
         "parameters": sum(p.numel() for p in parallel.unwrap(run.model).parameters()),
@@ -49,6 +49,9 @@ def build(run: Any, losses: dict[str, Any], started: float) -> dict[str, Any]:
         ),
         "strategy": cfg.strategy,
         "world_size": run.world_size,
+        "data_parallel_size": run.data_ranks,
+        "tp": cfg.tp,
+        "hsdp": cfg.hsdp,
         "effective_batch_sequences": effective,
         "max_tokens_per_step": effective * cfg.seq_len,
         "mean_tokens_per_step": losses["train_tokens"] / max(losses["steps"], 1),
@@ -94,6 +97,15 @@ def _parameters(summary: dict[str, Any]) -> str:
     return f"{total:,} parameters, {trainable:,} trainable ({100 * trainable / total:.2f}%)"
 
 
+def _ranks(summary: dict[str, Any]) -> str:
+    """The launch: ranks and strategy, and the 2-D mesh when there is one."""
+    text = f"{summary['world_size']} rank(s), strategy {summary['strategy']}"
+    tp, hsdp = summary.get("tp", 1), summary.get("hsdp", 1)
+    if tp > 1:
+        return f"{text}: {summary['data_parallel_size']} data-parallel x {tp} tensor-parallel"
+    return f"{text}: HSDP, {hsdp} replicas" if hsdp > 1 else text
+
+
 def show(summary: dict[str, Any]) -> None:
     """The summary as the few lines printed at the end of a run."""
     print(
@@ -101,7 +113,7 @@ def show(summary: dict[str, Any]) -> None:
         f"({summary['train_tokens_per_s']:,.0f} tok/s while stepping), "
         f"{_parameters(summary)}\n"
         f"effective batch: {summary['effective_batch_sequences']} sequences "
-        f"({summary['world_size']} rank(s), strategy {summary['strategy']}), <= "
+        f"({_ranks(summary)}), <= "
         f"{summary['max_tokens_per_step']:,} tokens/step "
         f"(mean {summary['mean_tokens_per_step']:,.0f} real tokens)\n"
         f"val loss: {summary['initial_val_loss']:.4f} -> {summary['final_val_loss']:.4f}   "

@@ -41,7 +41,7 @@ from gradstep.memory import checkpoint_blocks
 from gradstep.metrics import FINISHED_FILE, MetricsLogger, jsonable
 from gradstep.policies import clip_policies
 
-from . import planning, preflight, resume, run_folder, summary
+from . import parallel_plan, planning, preflight, resume, run_folder, summary
 from .batching import Layout, layout_for, rank_batches, windows_of
 from .config import TrainConfig
 from .data import Batch, TextSource, TrainBatches, load_source
@@ -99,7 +99,7 @@ def _train(
                 activation_checkpointing=planned.plan.activation_checkpointing,
             )
         run = _setup(cfg, env, info, planned)
-        gns = preflight.gns_notes(run.cfg, run.layout.micro_batches, run.world_size, given)
+        gns = preflight.gns_notes(run.cfg, run.layout.micro_batches, run.data_ranks, given)
         for line in [*notes, *gns]:
             _note(run, line)
         if run.finished(run.start):
@@ -138,6 +138,9 @@ class _Run:
     out: Path
     device: torch.device
     world_size: int
+    """Launched ranks."""
+    data_ranks: int
+    """Ranks that read different data (the world, or its data-parallel part under --tp)."""
     is_main: bool
     """Rank 0: the only process that prints and writes files."""
     model: nn.Module
@@ -178,13 +181,13 @@ def _setup(
     planned: planning.Planned | None,
 ) -> _Run:
     """The run: model, optimizer and Stepper, data, LR schedule; resumed from ``info``."""
-    world = env.world_size
+    data_rank, world = parallel_plan.data_rank(cfg, env.rank, env.world_size)
     torch.manual_seed(cfg.seed)
     tokenizer = load_tokenizer(cfg)  # None: the demo GPT reads bytes
     source = load_source(cfg, tokenizer)
     layout = layout_for(cfg, world)
     model, stepper, gns = _model_and_stepper(cfg, env.device, planned is not None)
-    train_iter, val = rank_batches(cfg, source, layout, env.rank, world)
+    train_iter, val = rank_batches(cfg, source, layout, data_rank, world)
     # A resume keeps the checkpoint's horizon (loaded with the schedule's state; older
     # checkpoints: their run's max_steps), however far this invocation trains.
     horizon = run_folder.schedule_horizon(info) if info is not None else None
@@ -195,7 +198,8 @@ def _setup(
         cfg=cfg,
         out=Path(cfg.out),
         device=env.device,
-        world_size=world,
+        world_size=env.world_size,
+        data_ranks=world,
         is_main=env.is_main,
         model=model,
         stepper=stepper,
@@ -209,6 +213,9 @@ def _setup(
         gns=gns,
         tokenizer=tokenizer,
     )
+    mesh = parallel_plan.data_ranks_note(cfg, env.world_size)
+    if mesh is not None:
+        _note(run, mesh)
     _note(run, f"data: {source.describe()}")  # what trains, and every record cut or left out
     if cfg.batch_ramp is not None:
         run.ramp = BatchRamp.from_spec(cfg.batch_ramp, layout.micro_batches, world)
@@ -226,7 +233,7 @@ def _model_and_stepper(
     model = build_model(cfg).to(device)
     if cfg.activation_checkpointing:
         checkpoint_blocks(model)  # before sharding, as FSDP2 expects
-    model = parallel.prepare_model(model, cfg.strategy, cfg.precision)
+    model = parallel_plan.prepare(model, cfg)
     optimizer = build_optimizer(model, cfg)  # after sharding: FSDP2 steps its shards
     clip = clip_policies(cfg.clip, cfg.spike_guard, model)  # agc: output layer excluded
     gns = GradientNoiseScale(cfg.gns_beta) if cfg.measures_gns else None

@@ -8,6 +8,7 @@ real one-process gloo group, and for a strategy registered by a test.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -120,3 +121,49 @@ def test_a_registered_fallback_serves_every_undetected_model(registry: None) -> 
 
     gd.register_strategy(Everything, fallback=True)
     assert isinstance(gd.strategy_for(nn.Linear(2, 2)), Everything)
+
+
+def _plan() -> dict:
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    return {"0": ColwiseParallel()}
+
+
+@pytest.mark.parametrize(
+    ("strategy", "kwargs", "message"),
+    [
+        ("ddp", {"tp": 2, "tp_plan": _plan()}, "tp=2 needs strategy='fsdp' (it shards with "
+         "FSDP2 on a 2-D mesh), got strategy='ddp'; pass strategy='fsdp' or tp=1"),
+        ("none", {"hsdp": 2}, "hsdp=2 needs strategy='fsdp'"),
+        ("fsdp", {"tp": 2, "tp_plan": _plan(), "hsdp": 2}, "tp=2 and hsdp=2 together"),
+        ("fsdp", {"tp": 2}, "tp=2 needs tp_plan=: a dict of module paths"),
+        ("fsdp", {"tp_plan": _plan()}, "tp_plan= is used with tp > 1 only"),
+        ("fsdp", {"tp": 2, "tp_plan": ["attn"]}, "tp_plan must be a dict"),
+        ("fsdp", {"tp": 0}, "prepare_model: tp must be an int >= 1, got 0"),
+        ("fsdp", {"hsdp": True}, "prepare_model: hsdp must be an int >= 1, got True"),
+    ],
+)  # fmt: skip
+def test_layouts_prepare_model_refuses_name_the_argument(
+    strategy: str, kwargs: dict, message: str
+) -> None:
+    """Refused before anything is built, without a process group: the argument, what it
+    needs, what was given."""
+    model = nn.Sequential(nn.ModuleList([nn.Linear(4, 4)]), nn.Linear(4, 2))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        gd.prepare_model(model, strategy, **kwargs)
+
+
+def test_a_layout_the_world_cannot_hold_is_refused_and_plain_fsdp_still_builds(
+    one_rank: None,
+) -> None:
+    """On one rank ``tp=2``/``hsdp=2`` cannot divide the world: refused naming the values
+    that can; ``tp=1, hsdp=1`` (the defaults, spelled out) is plain FSDP2."""
+    model = nn.Sequential(nn.ModuleList([nn.Linear(4, 4)]), nn.Linear(4, 2))
+    with pytest.raises(
+        ValueError, match=re.escape("tp=2 must divide the number of ranks (1): one of 1")
+    ):
+        gd.prepare_model(model, "fsdp", tp=2, tp_plan=_plan())
+    with pytest.raises(ValueError, match=re.escape("hsdp=2 must divide the number of ranks (1)")):
+        gd.prepare_model(model, "fsdp", hsdp=2)
+    wrapped = gd.prepare_model(model, "fsdp", tp=1, hsdp=1)
+    assert type(gd.strategy_for(wrapped)).__name__ == "FSDP2Strategy"

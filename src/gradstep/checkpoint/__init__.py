@@ -39,7 +39,9 @@ Why each rule exists:
 * Elastic: several ranks save model and optimizer through DCP (any sharding, resharded on
   load); other objects' state is taken from rank 0 (in gradstep it is identical on every
   rank, and the data position is global). :func:`elastic_accum_steps` keeps the global
-  batch when the world size changes.
+  batch when the number of data-parallel ranks changes (the manifest's ``dp_size``: the
+  world size, except under FSDP2 + tensor parallel, whose peers read the same data; a
+  (dp=2, tp=2) checkpoint resumes on 2 plain FSDP2 ranks with the same ``accum_steps``).
 * The optimizer is stored with parameter names, not indices, so a checkpoint survives
   re-wrapping (DDP, FSDP2, ``torch.compile``). Locally the name mapping is done in
   :mod:`.state` rather than with ``get_optimizer_state_dict``: that function initialises an
@@ -52,6 +54,7 @@ Why each rule exists:
 Modules: :mod:`.checkpointer` (save/load orchestration), :mod:`.layout` (the atomic folder
 protocol and the manifest), :mod:`.codec` (strict JSON and safetensors files),
 :mod:`.state` (model and optimizer, file and DCP paths), :mod:`.rng` (RNG state),
+:mod:`.elastic` (the global batch on another number of ranks),
 :mod:`.fingerprint` (the frozen base an adapter-only checkpoint was trained on),
 :mod:`.errors` (:class:`CheckpointError`).
 """

@@ -29,6 +29,7 @@ from ..parallel import collectives
 # SIGKILL tests (tests/checkpoint/kill_child.py) can hook each one.
 from . import layout
 from .codec import decode, encode, read_tensor_file, write_tensor_file
+from .elastic import data_parallel_size, elastic_accum_steps
 from .errors import CheckpointError, not_saved
 from .fingerprint import Fingerprint, base_fingerprint, check_base
 from .rng import rng_file, rng_state, set_rng_state
@@ -51,28 +52,6 @@ __all__ = ["CheckpointInfo", "Checkpointer", "NamedObject", "elastic_accum_steps
 logger = logging.getLogger("gradstep.checkpoint")
 
 
-def elastic_accum_steps(accum_steps: int, saved_world_size: int, world_size: int) -> int:
-    """Accumulation steps that keep the checkpoint's global batch on ``world_size`` ranks.
-
-    The global batch is ``accum_steps * saved_world_size`` micro-batches per optimizer step;
-    it must stay the same for the data stream and the LR schedule to mean the same thing.
-    """
-    for name, value in (
-        ("accum_steps", accum_steps),
-        ("saved_world_size", saved_world_size),
-        ("world_size", world_size),
-    ):
-        check_int(name, value, 1, "elastic_accum_steps", CheckpointError)
-    total = accum_steps * saved_world_size
-    if total % world_size:
-        raise CheckpointError(
-            f"cannot keep the global batch: the checkpoint was saved with world_size="
-            f"{saved_world_size} x accum_steps={accum_steps} = {total} micro-batches per step, "
-            f"which world_size={world_size} does not divide; use a world size dividing {total}"
-        )
-    return total // world_size
-
-
 @dataclass(frozen=True)
 class CheckpointInfo:
     """A verified checkpoint: its step, folder and manifest."""
@@ -84,6 +63,13 @@ class CheckpointInfo:
     @property
     def world_size(self) -> int:
         return int(self.manifest["world_size"])
+
+    @property
+    def dp_size(self) -> int:
+        """The run's data-parallel ranks (ranks that read different data): its world size,
+        except under tensor parallel (the tensor-parallel peers of a rank read the same
+        data). A manifest from before the field: its ``world_size``."""
+        return int(self.manifest.get("dp_size", self.manifest["world_size"]))
 
     @property
     def accum_steps(self) -> int | None:
@@ -99,13 +85,15 @@ class CheckpointInfo:
         return None
 
     def accum_steps_for(self, world_size: int) -> int:
-        """:func:`elastic_accum_steps` for this checkpoint (needs ``accum_steps`` saved)."""
+        """:func:`elastic_accum_steps` for this checkpoint (needs ``accum_steps`` saved), from
+        its :attr:`dp_size` to ``world_size``: the data-parallel ranks of the run that
+        resumes (its world size, except under tensor parallel)."""
         if self.accum_steps is None:
             raise CheckpointError(
                 f"{self.path.name} was saved without accum_steps; pass accum_steps= to the "
                 "Checkpointer that saves, to resume on a different world size"
             )
-        return elastic_accum_steps(int(self.accum_steps), self.world_size, world_size)
+        return elastic_accum_steps(int(self.accum_steps), self.dp_size, world_size)
 
 
 @dataclass(frozen=True)
@@ -154,6 +142,11 @@ class Checkpointer:
         accum_steps: micro-batches per rank per optimizer step, recorded so that a resume on
             another world size can keep the global batch (:meth:`CheckpointInfo.accum_steps_for`).
         micro_batch_size: items per micro-batch, recorded to report the global batch.
+        dp_size: the data-parallel ranks (ranks that read different data), recorded as the
+            manifest's ``dp_size`` and used for its global batch and by a resume's
+            :meth:`CheckpointInfo.accum_steps_for`. None: read from the saved model, which
+            is the world size except for FSDP2 + tensor parallel (FSDP2's data-parallel
+            mesh is then smaller than the world: its size).
         rng: also save and restore each rank's python/numpy/torch(/CUDA) RNG state.
         trainable_only: save only the model's trainable parameters (``requires_grad``) and
             their optimizer state, e.g. a PEFT model's adapters: frozen weights and buffers
@@ -175,8 +168,12 @@ class Checkpointer:
         micro_batch_size: int | None = None,
         rng: bool = True,
         trainable_only: bool = False,
+        dp_size: int | None = None,
     ) -> None:
         self.directory = Path(directory)
+        self.dp_size = (
+            None if dp_size is None else check_int("dp_size", dp_size, 1, error=CheckpointError)
+        )
         self.trainable_only = bool(trainable_only)
         self.keep = check_int("keep", keep, 1, error=CheckpointError)
         self.accum_steps = (
@@ -203,6 +200,7 @@ class Checkpointer:
         if not stateful:
             raise CheckpointError("save(step, **stateful) needs at least one object to save")
         model, optimizer, others = _classify(stateful)
+        dp = self._dp_size(model.obj if model is not None else None)
         final = self.directory / f"step-{step:06d}"
         tmp = self.directory / f".tmp-{final.name}"
         rank = collectives.rank()
@@ -220,7 +218,7 @@ class Checkpointer:
                 layout.write_bytes(tmp / rng_file(rank), rng)
             collectives.barrier()
             if rank == 0:
-                layout._write_manifest(tmp, self._manifest(step, tmp, *written))
+                layout._write_manifest(tmp, self._manifest(step, tmp, *written, dp=dp))
                 layout.fsync(tmp)
                 layout._publish(tmp, final)
                 published = True
@@ -325,8 +323,26 @@ class Checkpointer:
             entry["file"] = "optimizer.safetensors"
         return entry
 
+    def _dp_size(self, module: nn.Module | None) -> int:
+        """The data-parallel ranks the manifest records (see ``dp_size`` in the class docs)."""
+        world = collectives.world_size()
+        if self.dp_size is not None:
+            if world % self.dp_size:
+                raise CheckpointError(
+                    f"dp_size={self.dp_size} must divide the world size ({world}): it counts "
+                    "the ranks that read different data"
+                )
+            return self.dp_size
+        return data_parallel_size(module, world)
+
     def _manifest(
-        self, step: int, tmp: Path, objects: dict[str, Any], object_tensors: dict | None
+        self,
+        step: int,
+        tmp: Path,
+        objects: dict[str, Any],
+        object_tensors: dict | None,
+        *,
+        dp: int,
     ) -> dict[str, Any]:
         world, k, mbs = collectives.world_size(), self.accum_steps, self.micro_batch_size
         return {
@@ -334,10 +350,11 @@ class Checkpointer:
             "format_version": layout.FORMAT_VERSION,
             "step": step,
             "world_size": world,
+            "dp_size": dp,
             "accum_steps": k,
             "micro_batch_size": mbs,
-            "global_micro_batches": None if k is None else k * world,
-            "global_batch": None if k is None or mbs is None else k * world * mbs,
+            "global_micro_batches": None if k is None else k * dp,
+            "global_batch": None if k is None or mbs is None else k * dp * mbs,
             "gradstep_version": __version__,
             "torch_version": torch.__version__,
             "created_unix": time.time(),

@@ -283,6 +283,9 @@ def _manifest_problem(raw: dict[str, Any]) -> str | None:
         return f"step must be an int >= 0, got {raw.get('step')!r}"
     if not _is_int(raw.get("world_size"), 1):
         return f"world_size must be an int >= 1, got {raw.get('world_size')!r}"
+    dp = raw.get("dp_size", raw["world_size"])  # absent before gradstep recorded it
+    if not _is_int(dp, 1) or raw["world_size"] % dp:
+        return f"dp_size must be an int >= 1 dividing world_size, got {dp!r}"
     for key in ("accum_steps", "micro_batch_size"):
         if raw.get(key) is not None and not _is_int(raw[key], 1):
             return f"{key} must be null or an int >= 1, got {raw[key]!r}"

@@ -52,7 +52,8 @@ def _attention(shape: TransformerShape, e_c: int, attention: str, rows: int) -> 
     matrices: the softmax output, the dropout mask and the dropped probabilities. Its
     backward adds two ``T x T`` gradients.
     """
-    d, h, t = shape.d_model, shape.n_head, shape.seq_len
+    # One tensor-parallel rank's heads (all of them without tensor parallel).
+    d, h, t = shape.d_model // shape.tp, shape.n_head // shape.tp, shape.seq_len
     if attention == "fused":
         return 6 * d * e_c + 4 * h, 0.0
     v = 3 * d * e_c if e_c == _FP32 and rows == 1 else d * _FP32
@@ -68,7 +69,9 @@ def per_token_terms(
 ) -> dict[str, float]:
     """Activation bytes per token, by where they are kept (the formulas of the model).
 
-    Per block (``n`` norms, ``d`` model width, ``f`` MLP width, ``h`` heads):
+    Per block (``n`` norms, ``d`` model width, ``f`` MLP width, ``h`` heads; with
+    ``shape.tp`` tensor-parallel ranks, ``f`` and the attention core's ``d`` and ``h`` are
+    one rank's share, divided by ``tp``):
 
     * ``n*d*e_r``: each LayerNorm's input (its backward needs it);
     * ``n*2*e_r``: each LayerNorm's mean and rstd;
@@ -89,7 +92,8 @@ def per_token_terms(
     """
     if attention not in ATTENTION:
         raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
-    d, f, n, v = shape.d_model, shape.ffn, shape.norms_per_block, shape.vocab_size
+    d, n, v = shape.d_model, shape.norms_per_block, shape.vocab_size
+    f = shape.ffn // shape.tp  # the MLP's hidden width on one tensor-parallel rank
     e_c, e_r = b.compute, b.residual
     core, core_tmp = _attention(shape, e_c, attention, rows)
     masks = 2 * d * e_c if dropout else 0

@@ -39,6 +39,7 @@ from .states import (
     OptimizerMemory,
     _fsdp_unsharded,
     _grads_in_backward,
+    _mesh,
     _model_states,
     _numel,
 )
@@ -63,6 +64,12 @@ class TransformerShape:
     ``mlp out (d, d_ff)`` (no biases, ``linear_bias=False``), and ``norms_per_block``
     LayerNorms of ``(d,)`` weight and bias. Outside the blocks: the embedding ``(V, d)``, the
     final norm and, unless ``tied_embeddings``, a separate head ``(V, d)``.
+
+    ``tp``: the blocks' four matmuls split over ``tp`` tensor-parallel ranks (qkv and fc by
+    output rows, whole heads per rank; attn out and mlp out by input columns): the block
+    tensors, the matmul weights and the activations inside attention and the MLP are then
+    one rank's share; norms, embedding and head stay whole (``estimate_step_memory(tp=)``
+    sets it).
     """
 
     n_layer: int
@@ -75,14 +82,20 @@ class TransformerShape:
     norms_per_block: int = 2
     linear_bias: bool = False
     norm_bias: bool = True
+    tp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("n_layer", "d_model", "n_head", "vocab_size", "seq_len"):
+        for name in ("n_layer", "d_model", "n_head", "vocab_size", "seq_len", "tp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TransformerShape.{name} must be >= 1, got {getattr(self, name)}")
         if self.d_model % self.n_head:
             raise ValueError(
                 f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head})"
+            )
+        if self.n_head % self.tp or self.ffn % self.tp:
+            raise ValueError(
+                f"tp ({self.tp}) must divide n_head ({self.n_head}) and d_ff ({self.ffn}): "
+                "each tensor-parallel rank holds whole heads and an equal part of the MLP"
             )
 
     @property
@@ -109,12 +122,13 @@ class TransformerShape:
         return self.params
 
     def block_tensors(self) -> list[tuple[int, ...]]:
-        """Parameter shapes of one block (FSDP2 shards each along dim 0)."""
-        d, f = self.d_model, self.ffn
-        linears = [(3 * d, d), (d, d), (f, d), (d, f)]
+        """Parameter shapes of one block, one tensor-parallel rank's share (FSDP2 shards
+        each along dim 0)."""
+        d, f, t = self.d_model, self.ffn, self.tp
+        linears = [(3 * d // t, d), (d, d // t), (f // t, d), (d, f // t)]
         out: list[tuple[int, ...]] = list(linears)
-        if self.linear_bias:
-            out += [(rows,) for rows, _ in linears]
+        if self.linear_bias:  # column-wise biases are split, row-wise ones whole
+            out += [(3 * d // t,), (d,), (f // t,), (d,)]
         out += [(d,)] * (self.norms_per_block * (2 if self.norm_bias else 1))
         return out
 
@@ -127,7 +141,7 @@ class TransformerShape:
     def matmul_numel(self, blocks: int | None = None) -> int:
         """Weights that go through a matmul (what autocast casts): ``blocks`` blocks + head."""
         d, f, v = self.d_model, self.ffn, self.vocab_size
-        per_block = 3 * d * d + d * d + 2 * f * d
+        per_block = (3 * d * d + d * d + 2 * f * d) // self.tp
         return per_block * (self.n_layer if blocks is None else blocks) + v * d
 
     @property
@@ -256,6 +270,8 @@ def estimate_step_memory(
     dropout: float = 0.0,
     attention: str = "fused",
     frozen_dtype: torch.dtype | None = None,
+    tp: int = 1,
+    hsdp: int = 1,
 ) -> MemoryEstimate:
     """Predicted bytes per device of one ``Stepper.step`` with micro-batches of
     ``micro_batch_size`` sequences of ``shape.seq_len`` tokens.
@@ -277,18 +293,27 @@ def estimate_step_memory(
     torch runs on CPU with attention dropout, s^2 matrices per head; see
     :data:`gradstep.memory.activations.ATTENTION`) are a :class:`TransformerShape`'s: an
     :class:`HFShape` carries its own dropout.
+
+    2-D meshes (``sharded`` only; ``world_size`` counts every rank): ``hsdp=R`` (HSDP) shards
+    over the ``world_size / R`` ranks of a replica instead of all of them; ``tp=N`` (FSDP2 +
+    tensor parallel, a :class:`TransformerShape` only) splits the blocks' matmuls, their
+    weights, gradients and optimizer state and the activations inside attention and the
+    MLP by ``N`` (:class:`TransformerShape`'s ``tp``), and FSDP2 shards over the
+    ``world_size / N`` data-parallel ranks. HSDP's all-reduce buffers and tensor
+    parallel's communication buffers are not modelled.
     """
     _check_args(micro_batch_size, world_size, attention)
+    shape, shard_ranks = _mesh(shape, world_size, sharded, tp, hsdp)
     sizes = _sizes(shape, param_dtype, compute_dtype, frozen_dtype, sharded)
-    shards = sharded and world_size > 1
+    shards = sharded and shard_ranks > 1
     accum = _accum_buffers(shape, param_dtype, accum_dtype, sharded)
     opt_memory = _optimizer_memory(optimizer, foreach)
-    states = _model_states(shape, sizes, world_size if shards else 1, opt_memory)
+    states = _model_states(shape, sizes, shard_ranks if shards else 1, opt_memory)
     acts = _activations(
         shape, sizes, micro_batch_size, activation_checkpointing, dropout, attention
     )
     ckpt, sync, buffered = activation_checkpointing, sync_each_micro_batch, accum > 0
-    held = _held_in_backward(shape, sizes, shards, world_size, accum_steps, sync, ckpt, buffered)
+    held = _held_in_backward(shape, sizes, shards, shard_ranks, accum_steps, sync, ckpt, buffered)
     copies = _weight_copies(shape, sizes, activation_checkpointing)
     return _estimate(states, accum, acts, held, copies, fixed_bytes)
 

@@ -89,6 +89,9 @@ class Plan:
     timed: bool = True
     """False when the step times are not measured (a one-size probe, or none): the speed
     column then only reflects the default step-time model, and the table leaves it out."""
+    tp: int = 1
+    """Tensor-parallel ranks per data-parallel rank: ``world_size`` counts the data-parallel
+    ranks the global batch is split over, each of them ``tp`` devices."""
     probe_peak_bytes: int = 0
     """The highest peak the probe reached in this process (0: no probe). A run that plans
     itself (``--micro-batch-size auto``) probes first, so its process peaks at
@@ -126,10 +129,11 @@ class Plan:
     def table(self) -> str:
         """The candidates as an aligned text table, the chosen row marked ``*``."""
         usable = self.budget_bytes * (1 - self.margin)
+        ranks = "rank(s)" if self.tp == 1 else f"data-parallel rank(s) x {self.tp} tensor-parallel"
         head = (
             f"budget {format_bytes(self.budget_bytes)} per device, margin {self.margin:.0%} "
             f"-> {format_bytes(usable)} usable; global batch {self.global_batch} over "
-            f"{self.world_size} rank(s) = {self.per_rank_batch} per rank"
+            f"{self.world_size} {ranks} = {self.per_rank_batch} per rank"
         )
         cols = ("", "mbs", "accum", "last", "ckpt", "peak/device", "of budget", "speed", "fits")
         order = sorted(

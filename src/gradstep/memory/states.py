@@ -176,3 +176,27 @@ def _model_states(
     step_tmp = round(optimizer.step_params * grads + optimizer.step_largest * largest)
     opt = round(optimizer.states_per_param * grads)
     return params, grads * b.param, opt * b.param, step_tmp * b.param
+
+
+def _mesh(shape: Shape, world: int, sharded: bool, tp: int, hsdp: int) -> tuple[Shape, int]:
+    """(the shape one rank holds, the ranks FSDP2 shards over) on a 2-D mesh."""
+    own = getattr(shape, "tp", None)  # a TransformerShape's; an HFShape has none
+    for name, value in (("tp", tp), ("hsdp", hsdp)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if value > 1 and not sharded:
+            raise ValueError(f"{name}={value} models FSDP2 on a 2-D mesh: it needs sharded=True")
+        if world % value:
+            raise ValueError(f"{name}={value} must divide world_size ({world})")
+    if tp > 1 and hsdp > 1:
+        raise ValueError(f"tp={tp} and hsdp={hsdp} do not combine: pass one of them")
+    if tp > 1 and own not in (None, 1, tp):
+        raise ValueError(f"tp={tp}, but the shape is already one of {own} tensor-parallel ranks")
+    if tp > 1:
+        if own is None:
+            raise ValueError(
+                "tp is modelled for a TransformerShape (the demo GPT's layout) only, got "
+                f"{type(shape).__name__}"
+            )
+        shape = dataclasses.replace(shape, tp=tp)
+    return shape, world // (max(tp, own or 1) * hsdp)

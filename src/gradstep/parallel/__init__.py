@@ -9,6 +9,8 @@
   whole-tensor sum crosses, on any mesh), norms in at least float32;
 - :mod:`.setup`: ``init`` from torchrun, ``prepare_model``, ``shutdown``, and the strategy
   registry (``register_strategy``, ``strategy_for``);
+- :mod:`.layouts`: the meshes ``prepare_model(model, "fsdp", tp=N | hsdp=R)`` builds (FSDP2
+  + tensor parallel on ``(dp, tp)``, HSDP on ``(replicate, shard)``);
 - :mod:`.failures`: ``collective_failure``, the message for a rank that is stuck or gone;
 - :mod:`.instrumentation`: counting gradient collectives, for tests and benchmarks only.
 

@@ -12,8 +12,9 @@ script needs around that::
     ...                                          # Stepper(model, optimizer, ...) as usual
     gradstep.parallel.shutdown()
 
-Only pure data parallelism over the whole world is supported: every rank holds a different
-slice of the data and the full model (DDP) or a shard of it (FSDP2 over a 1-D mesh).
+Data parallelism over the whole world (every rank holds a different slice of the data and
+the full model (DDP) or a shard of it (FSDP2 over a 1-D mesh)), HSDP (``hsdp=R``) and FSDP2
++ tensor parallel (``tp=N``): see :func:`prepare_model` and :mod:`.layouts`.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from .collectives import is_initialized
 from .ddp import DDPStrategy
 from .failures import check_timeout, remember_timeout
 from .fsdp2 import FSDP2Strategy, release_dtensor_caches
+from .layouts import TPPlan, check_layout, fsdp_layout
 from .local import LocalStrategy
 from .tensor_parallel import FSDP2TPStrategy
 
@@ -248,7 +250,8 @@ def _mixed_precision(precision: str) -> MixedPrecisionPolicy:
 # ------------------------------------------------------------ the strategy registry
 
 Prepare = Callable[..., nn.Module]
-"""``prepare(model, *, precision, blocks_attr) -> model``: wraps a model for one layout."""
+"""``prepare(model, *, precision, blocks_attr) -> model``: wraps a model for one layout
+(``"fsdp"``'s also takes ``tp``, ``tp_plan`` and ``hsdp``)."""
 
 # strategy_for asks these, in order; the first whose ``detects(model)`` is true wraps it.
 _DETECTORS: list[type] = []
@@ -306,6 +309,10 @@ def prepare_model(
     strategy: str = "ddp",
     precision: str = "fp32",
     blocks_attr: str | None = None,
+    *,
+    tp: int = 1,
+    tp_plan: TPPlan | None = None,
+    hsdp: int = 1,
 ) -> nn.Module:
     """Wrap ``model`` (already on this process's device) for data parallelism.
 
@@ -314,13 +321,27 @@ def prepare_model(
     - ``"fsdp"``: FSDP2 ``fully_shard`` on each block (see :func:`find_blocks`) and then on
       the root, over all ranks; with ``precision="bf16"`` a ``MixedPrecisionPolicy`` with
       bf16 parameters and float32 gradient reduction. The model is modified in place.
+      Two 2-D layouts (:mod:`gradstep.parallel.layouts`), ``"fsdp"`` only:
+
+      - ``hsdp=R``: HSDP, a ``(replicate=R, shard=W/R)`` mesh (replicate across nodes,
+        shard within one); every rank reads its own data;
+      - ``tp=N`` with ``tp_plan``: FSDP2 + tensor parallel on a ``(dp=W/N, tp=N)`` mesh,
+        ranks row-major; each block is ``parallelize_module``-d over ``mesh["tp"]`` with
+        ``tp_plan`` (``{path relative to a block: ParallelStyle}``, or a callable
+        ``plan(block, tp_mesh)``), then sharded over ``mesh["dp"]``. Rank ``r`` is data rank
+        ``r // N``: the N tensor-parallel peers must read the same micro-batches.
+
+      ``tp`` and ``hsdp`` must divide the number of ranks; they do not combine.
     - a name given to :func:`register_strategy` with a ``prepare`` callable.
 
-    Pass the result to :class:`gradstep.Stepper`; it detects the wrapper.
+    Pass the result to :class:`gradstep.Stepper`; it detects the wrapper (``FSDP2Strategy``
+    for FSDP2 and HSDP, ``FSDP2TPStrategy`` with tensor parallel).
     """
     check_choice("strategy", strategy, tuple(_PREPARERS))
     check_choice("precision", precision, tuple(_FSDP_PARAM_DTYPES))
-    return _PREPARERS[strategy](model, precision=precision, blocks_attr=blocks_attr)
+    check_layout(strategy, tp, tp_plan, hsdp)
+    layout = {} if tp == hsdp == 1 else {"tp": tp, "tp_plan": tp_plan, "hsdp": hsdp}
+    return _PREPARERS[strategy](model, precision=precision, blocks_attr=blocks_attr, **layout)
 
 
 def _model_device(model: nn.Module, strategy: str) -> torch.device:
@@ -350,19 +371,19 @@ def _prepare_ddp(model: nn.Module, **_: object) -> nn.Module:
     return DistributedDataParallel(model, device_ids=ids)
 
 
-def _prepare_fsdp(model: nn.Module, *, precision: str, blocks_attr: str | None) -> nn.Module:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
+def _prepare_fsdp(
+    model: nn.Module,
+    *,
+    precision: str,
+    blocks_attr: str | None,
+    tp: int = 1,
+    tp_plan: TPPlan | None = None,
+    hsdp: int = 1,
+) -> nn.Module:
     device = _model_device(model, "fsdp")
-    # The mesh on the model's own device type: fully_shard's default mesh follows the
-    # machine's accelerator, which would move a CPU (gloo) model onto a GPU when one exists.
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    blocks = find_blocks(model, blocks_attr)
     policy = _mixed_precision(precision)
-    for block in find_blocks(model, blocks_attr):
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
-    return model
+    return fsdp_layout(model, blocks, device, policy, tp=tp, tp_plan=tp_plan, hsdp=hsdp)
 
 
 register_strategy(LocalStrategy, name="none", prepare=_prepare_none, fallback=True)

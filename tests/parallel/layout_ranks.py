@@ -1,0 +1,122 @@
+"""Rank side of test_prepare_layouts.py: what ``prepare_model(model, "fsdp", tp=2,
+tp_plan=...)`` and ``prepare_model(model, "fsdp", hsdp=2)`` build on 4 gloo ranks, trained
+by a plain ``Stepper(model, optimizer)``, and what they refuse.
+
+The model is the demo GPT in float64 with the demo's own tensor-parallel plan
+(``gradstep_demo.parallel_plan.gpt_tp_plan``: fused qkv column-wise, whole heads per
+rank, attention and MLP projections row-wise), 4 heads so that each tensor-parallel rank
+holds 2 of them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from gradstep_demo.model import GPT, GPTConfig
+from tests.parallel.tp_ranks import loss_sum, optimizer
+from tests.support.batches import concat, make_windows
+
+GPT4 = GPTConfig(vocab_size=32, n_layer=2, n_head=4, d_model=16, max_seq_len=16)
+STEPS, K, TP, HSDP = 3, 2, 2, 2
+MAX_NORM = 1e-2  # below every norm: the clip acts on every step
+NORM_TYPES = (2.0, 1.0, math.inf)  # the clip's norm type on steps 1, 2, 3
+
+
+def gpt64() -> GPT:
+    torch.manual_seed(7)
+    model = GPT(GPT4).double()
+    with torch.no_grad():  # norms that are not ones and zeros
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def data(dp: int) -> list[list[list[dict]]]:
+    """``data[step][data rank]``: K micro-batches, token counts unequal across data ranks."""
+    return make_windows(STEPS, dp, K, seed=5)
+
+
+def reference(dp: int) -> list[dict[str, Any]]:
+    """One process, float64, the plain way: every data rank's micro-batches as one batch,
+    loss = sum of token losses / their count, the clip coefficient min(1, max / (norm +
+    1e-6)), AdamW. Per step: loss, items, pre-clip norm, parameters after the step."""
+    model = gpt64()
+    opt = optimizer("adamw", model.parameters())
+    out = []
+    for step, per_rank in enumerate(data(dp)):
+        batch = concat([mb for mbs in per_rank for mb in mbs])
+        items = int((batch["labels"] != -100).sum())
+        opt.zero_grad(set_to_none=True)
+        loss = loss_sum(model, batch).total / items
+        loss.backward()
+        grads = [p.grad for p in model.parameters()]
+        norm = float(torch.nn.utils.get_total_norm(grads, NORM_TYPES[step]))
+        torch._foreach_mul_(grads, min(1.0, MAX_NORM / (norm + 1e-6)))
+        opt.step()
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        out.append({"loss": loss.item(), "items": items, "norm": norm, "params": params})
+    return out
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _train(model: torch.nn.Module, windows: list[list[dict]]) -> dict[str, Any]:
+    import gradstep
+
+    stepper = gradstep.Stepper(model, optimizer("adamw", model.parameters()))
+    out: dict[str, Any] = {"strategy": type(stepper.strategy).__name__, "steps": []}
+    # What this rank holds: the memory model's per-rank parameter count is checked on it.
+    out["local_numel"] = sum(p.to_local().numel() for p in model.parameters())
+    out |= {"world_size": stepper.world_size, "replicas": stepper.strategy.replicas}
+    for step, window in enumerate(windows):
+        stepper.clip = gradstep.ClipNorm(MAX_NORM, norm_type=NORM_TYPES[step])
+        stats = stepper.step(window, loss_sum)
+        params = {n: _full(p).detach().clone() for n, p in model.named_parameters()}
+        out["steps"].append({"stats": stats, "params": params})
+    return out
+
+
+def _refusals() -> dict[str, str]:
+    """What prepare_model refuses on 4 ranks, and whether the refused model was left as
+    it was (no parameter turned into a DTensor)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    from gradstep.parallel import prepare_model
+    from gradstep_demo.parallel_plan import gpt_tp_plan
+
+    cases = {
+        "tp3": {"tp": 3, "tp_plan": gpt_tp_plan()},
+        "hsdp3": {"hsdp": 3},
+        "no_module": {"tp": 2, "tp_plan": {**gpt_tp_plan(), "attn.q_proj": ColwiseParallel()}},
+    }
+    out = {}
+    for name, kwargs in cases.items():
+        model = gpt64()
+        try:
+            prepare_model(model, "fsdp", **kwargs)
+            out[name] = "accepted"
+        except ValueError as exc:
+            untouched = not any(isinstance(p, DTensor) for p in model.parameters())
+            out[name] = f"{exc} | untouched={untouched}"
+    return out
+
+
+def layouts_run(rank: int, world: int) -> dict[str, Any]:
+    """FSDP2 + TP on (dp=2, tp=2), then HSDP on (replicate=2, shard=2), then refusals."""
+    from gradstep.parallel import prepare_model
+    from gradstep_demo.parallel_plan import gpt_tp_plan
+
+    tp_model = prepare_model(gpt64(), "fsdp", tp=TP, tp_plan=gpt_tp_plan())
+    dp_rank = rank // TP  # the mesh is (dp, tp), row-major
+    out = {"tp": _train(tp_model, [per_rank[dp_rank] for per_rank in data(world // TP)])}
+    hsdp_model = prepare_model(gpt64(), "fsdp", hsdp=HSDP)
+    out["hsdp"] = _train(hsdp_model, [per_rank[rank] for per_rank in data(world)])
+    out["refused"] = _refusals()
+    return out

@@ -1,0 +1,68 @@
+"""``prepare_model(model, "fsdp", tp=N, tp_plan=...)`` and ``prepare_model(model, "fsdp",
+hsdp=R)`` build layouts a plain ``gradstep.Stepper(model, optimizer)`` detects and keeps
+exact: on 4 gloo ranks (tests/parallel/layout_ranks.py), the demo GPT in float64 with the
+demo's tensor-parallel plan on a (dp=2, tp=2) mesh, and with HSDP on a (replicate=2,
+shard=2) mesh, equals one process over 3 steps (clip active, norm types 2, 1 and inf,
+unequal token counts per data rank) to 1e-12, and each rank holds the parameters the
+memory model (``estimate_step_memory(tp=, hsdp=)``) counts for it. On the same ranks, what
+only a launched
+world can refuse: ``tp``/``hsdp`` that do not divide 4, a plan key naming no module (the
+model left untouched)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.parallel import layout_ranks as lr
+from tests.support.multiproc import run_ranks
+
+pytestmark = pytest.mark.distributed
+
+EXACT = 1e-12
+WORLD = 4
+
+
+def test_prepare_model_builds_tp_and_hsdp_layouts_that_train_exactly() -> None:
+    ranks = run_ranks(lr.layouts_run, WORLD, timeout=300)
+    tp_ref, hsdp_ref = lr.reference(WORLD // lr.TP), lr.reference(WORLD)
+    for rank, res in enumerate(ranks):
+        tp, hsdp = res["tp"], res["hsdp"]
+        assert (tp["strategy"], tp["world_size"]) == ("FSDP2TPStrategy", WORLD // lr.TP), rank
+        assert (hsdp["strategy"], hsdp["world_size"]) == ("FSDP2Strategy", WORLD), rank
+        assert hsdp["replicas"] == lr.HSDP, rank
+        assert tp["local_numel"] == _modelled(tp=lr.TP), rank
+        assert hsdp["local_numel"] == _modelled(hsdp=lr.HSDP), rank
+        _check_steps(rank, tp["steps"], tp_ref)
+        _check_steps(rank, hsdp["steps"], hsdp_ref)
+        refused = res["refused"]
+        assert "tp=3 must divide the number of ranks (4): one of 1, 2, 4" in refused["tp3"]
+        assert "hsdp=3 must divide the number of ranks (4)" in refused["hsdp3"]
+        assert (
+            "tp_plan key 'attn.q_proj' names no module of the block Block" in (refused["no_module"])
+        )
+        assert all(r.endswith("untouched=True") for r in refused.values()), refused
+
+
+def _modelled(**mesh: int) -> int:
+    """The parameters per rank ``gradstep.memory`` predicts for the layout (float64)."""
+    from gradstep.memory import estimate_step_memory
+    from gradstep_demo.estimate import gpt_shape
+
+    est = estimate_step_memory(
+        gpt_shape(lr.GPT4), 1, param_dtype=torch.float64, world_size=WORLD, sharded=True, **mesh
+    )
+    return est.params // 8
+
+
+def _check_steps(rank: int, steps: list[dict], ref: list[dict]) -> None:
+    for step, (got, want) in enumerate(zip(steps, ref, strict=True)):
+        stats, where = got["stats"], (rank, step)
+        assert stats.items == want["items"], where
+        assert stats.loss == pytest.approx(want["loss"], rel=EXACT), where
+        assert stats.grad_norm == pytest.approx(want["norm"], rel=EXACT), where
+        assert stats.clipped and stats.clip_coef < 1, where
+        for name, param in want["params"].items():
+            torch.testing.assert_close(
+                got["params"][name], param, rtol=EXACT, atol=EXACT, msg=f"{where} {name}"
+            )
