@@ -806,9 +806,10 @@ MUTATIONS = [
         "run folder: a ramped run may resume on FEWER ranks",
         RUNF,
         [
+            # re-expressed (issue 23): the rule compares data-parallel sizes (dp_size).
             (
-                "is not None and info.world_size != world:",
-                "is not None and world > info.world_size:",
+                "is not None and info.dp_size != world:",
+                "is not None and world > info.dp_size:",
             )
         ],
         "tests",
@@ -865,8 +866,9 @@ MUTATIONS = [
         "checkpoint manifest: global_batch forgets the world size",
         "gradstep/checkpoint/checkpointer.py",
         [
+            # re-expressed (issue 23): the batch counts the data-parallel ranks (dp_size).
             (
-                '"global_batch": None if k is None or mbs is None else k * world * mbs,',
+                '"global_batch": None if k is None or mbs is None else k * dp * mbs,',
                 '"global_batch": None if k is None or mbs is None else k * mbs,',
             )
         ],
