@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING
+from typing import Any
 
 from gradstep.errors import GradstepError
 from gradstep.lr import LR_SCALING
 from gradstep.parallel import STRATEGIES, TIMEOUT_RANGE_S
 from gradstep.policies import parse_clip
 
-if TYPE_CHECKING:
-    from .config import TrainConfig
+# gradstep_demo.config.TrainConfig, which calls validate() when it is built: named here
+# without importing it back.
+TrainConfig = Any
 
 __all__ = [
     "AUTO",

@@ -70,7 +70,7 @@ def gpt_shape(gpt: GPTConfig, seq_len: int | None = None) -> TransformerShape:
 def optimizer_memory(cfg: TrainConfig) -> OptimizerMemory:
     """What the run's optimizer (``--optimizer``, as ``train.build_optimizer`` builds it)
     keeps per parameter and holds in its step, for the analytic model."""
-    from .train import build_optimizer  # train imports this module
+    from .components import build_optimizer
 
     # Over a stand-in parameter: the model needs the optimizer's kind and settings
     # (momentum, AMSGrad), not the run's parameters.

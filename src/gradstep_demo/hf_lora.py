@@ -14,7 +14,7 @@ from typing import Any
 from torch import nn
 
 from .config import ConfigError, TrainConfig
-from .hf_model import _note
+from .preflight import note
 
 __all__ = ["ALL_LINEAR", "adapted", "add_lora"]
 
@@ -53,7 +53,7 @@ def add_lora(model: nn.Module, cfg: TrainConfig) -> nn.Module:
     except ValueError as exc:
         raise ConfigError(_peft_refusal(exc, cfg)) from None
     scale = f"{alpha / cfg.lora:g}"
-    _note(
+    note(
         f"LoRA rank {cfg.lora}, alpha {alpha:g} (scale alpha/rank = {scale}), dropout "
         f"{cfg.lora_dropout:g}: adapters on {', '.join(adapted(wrapped))} ({source})"
     )

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import pickle
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,12 +23,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradstep import LossSum, parallel
+from gradstep import LossSum
 from gradstep.hf import causal_lm_loss, count_tokens
 
 from .config import ConfigError, TrainConfig
 from .data import Batch
 from .model import GPT, GPTConfig
+from .preflight import note
 
 __all__ = [
     "HFLoss", "LogitsOnly", "build_model", "count_batch", "gpt_config", "hf_config",
@@ -90,9 +90,9 @@ def _pretrained_or_random(cfg: TrainConfig, config: Any) -> nn.Module:
     if weights is not None and cfg.init == "pretrained":
         model = _from_pretrained(cfg, path, config, dtype)
         count = sum(p.numel() for p in model.parameters())
-        _note(f"loaded pretrained weights from {path} ({count:,} parameters)")
+        note(f"loaded pretrained weights from {path} ({count:,} parameters)")
         return model.train()  # from_pretrained returns eval mode: dropout would be off
-    _note(_random_init_note(cfg, path, weights))
+    note(_random_initnote(cfg, path, weights))
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(cfg.seed)  # the seed's init, whatever ran before
@@ -100,7 +100,7 @@ def _pretrained_or_random(cfg: TrainConfig, config: Any) -> nn.Module:
     return AutoModelForCausalLM.from_config(config).to(dtype)
 
 
-def _random_init_note(cfg: TrainConfig, path: Path, weights: str | None) -> str:
+def _random_initnote(cfg: TrainConfig, path: Path, weights: str | None) -> str:
     seed = f"random init (--seed {cfg.seed})"
     if not path.is_dir():
         beside = _weights(path.parent)
@@ -212,7 +212,7 @@ def hf_config(cfg: TrainConfig) -> Any:
         config.router_aux_loss_coef = cfg.aux_loss_coef
     routed = hasattr(config, "router_aux_loss_coef")
     if routed and cfg.aux_loss_coef is None and not getattr(config, "output_router_logits", False):
-        _note(
+        note(
             f"model {cfg.model!r} is a mixture of experts whose config has "
             "output_router_logits false: its router load-balancing loss is off; pass "
             f"--aux-loss-coef COEF (the config's is {config.router_aux_loss_coef}) to turn it on"
@@ -241,7 +241,7 @@ def load_tokenizer(cfg: TrainConfig) -> Any:
                 f"model {cfg.model!r}: vocab_size must be >= {BYTE_VOCAB} to read the data as "
                 f"bytes (no tokenizer in {folder}), got {vocab}; pass --tokenizer PATH"
             )
-        _note(
+        note(
             f"no tokenizer in {folder} and no --tokenizer: the data is read as bytes "
             "(token ids 0-255)"
         )
@@ -280,12 +280,6 @@ def _auto_tokenizer(source: Path, what: str) -> Any:
             "folder whose tokenizer_config.json sets eos_token"
         )
     return tokenizer
-
-
-def _note(line: str) -> None:
-    """A line for the user on stderr, from rank 0 only (as train's other notes)."""
-    if parallel.is_main():
-        print(line, file=sys.stderr)
 
 
 def count_batch(batch: Batch) -> int:

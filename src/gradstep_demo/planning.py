@@ -194,8 +194,8 @@ def prepare_process(cfg: TrainConfig, device: torch.device) -> list[str]:
 
 def _probe_model(cfg: TrainConfig, device: torch.device, checkpointing: bool) -> Stepper:
     """A throwaway copy of the run's model, sharding, optimizer kind and precision."""
+    from .components import build_optimizer  # the run's param groups
     from .hf_model import build_model
-    from .train import build_optimizer  # the run's param groups; train imports this module
 
     with quiet():
         model = build_model(cfg).to(device)
@@ -227,7 +227,7 @@ def _data(cfg: TrainConfig, source: Any = None) -> _Data:
 
 def _batch_fn(cfg: TrainConfig, device: torch.device) -> tuple[Callable, Callable, Any]:
     """(rows, width) -> a micro-batch of random ids; the run's loss and count."""
-    from .train import loss_for
+    from .components import loss_for
 
     vocab = quiet_hf_config(cfg).vocab_size if cfg.is_hf else GPTConfig.vocab_size
     gen = torch.Generator().manual_seed(0)

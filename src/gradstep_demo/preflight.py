@@ -3,10 +3,13 @@
 ``gradstep plan`` runs the same checks (``planning=True`` adds what the planner cannot
 plan), so the two commands refuse exactly the same settings with the same message, and a
 refusal costs no probe. Every check is a pure function of the config and the launch, so
-every rank of a torchrun job reaches the same verdict without a collective.
+every rank of a torchrun job reaches the same verdict without a collective. :func:`note`
+is how the demo tells the user what it did (rank 0 only).
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -117,3 +120,9 @@ def gns_notes(cfg: TrainConfig, micro_batches: int, world: int, given: frozenset
             f"least 2 per step over all ranks; with 1, gns_b_simple stays null: raise {what}"
         ]
     return []
+
+
+def note(line: str) -> None:
+    """A line for the user on stderr, from rank 0 only (model loading, LoRA, the plan)."""
+    if parallel.is_main():
+        print(line, file=sys.stderr)

@@ -20,22 +20,23 @@ import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+from torch import nn
 
-from gradstep import parallel
+from gradstep import GradientNoiseScale, Stepper, parallel
 from gradstep.checkpoint import Checkpointer, CheckpointInfo
 
 from . import preflight, run_folder
+from .batching import Layout
 from .config import ConfigError, TrainConfig
-from .data import DataError
-
-if TYPE_CHECKING:
-    from .train import _Run
+from .data import Batch, DataError, TextSource, TrainBatches
+from .schedule import BatchRamp, LRSchedule
 
 __all__ = [
     "Progress",
+    "Run",
     "Settings",
     "checkpointer",
     "cut_metrics",
@@ -143,6 +144,50 @@ class Progress:
 
 
 @dataclass
+class Run:
+    """Everything the loop touches, built once by ``gradstep_demo.train``'s setup."""
+
+    cfg: TrainConfig
+    out: Path
+    device: torch.device
+    world_size: int
+    """Launched ranks."""
+    data_ranks: int
+    """Ranks that read different data (the world, or its data-parallel part under --tp)."""
+    is_main: bool
+    """Rank 0: the only process that prints and writes files."""
+    model: nn.Module
+    stepper: Stepper
+    train_iter: TrainBatches
+    val: list[Batch]
+    source: TextSource
+    accum_steps: int
+    """Micro-batches per window on each rank."""
+    layout: Layout
+    schedule: LRSchedule
+    progress: Progress = field(default_factory=Progress)
+    planned_peak_mb: float | None = None
+    """The plan's predicted peak (--micro-batch-size auto), logged next to the measured one."""
+    start: int = 0
+    """Steps already taken: the step of the checkpoint resumed from."""
+    checkpointer: Checkpointer | None = None
+    ramp: BatchRamp | None = None
+    gns: GradientNoiseScale | None = None
+    tokenizer: Any = None
+    """The HF model's tokenizer (None: the demo GPT's bytes)."""
+
+    @property
+    def budget(self) -> int:
+        """Micro-batches per rank the run trains on (ramped runs end on it)."""
+        return self.cfg.max_steps * self.accum_steps
+
+    def finished(self, steps: int) -> bool:
+        if self.ramp is None:
+            return steps >= self.cfg.max_steps
+        return self.progress.micro_batches >= self.budget
+
+
+@dataclass
 class Settings:
     """The run's settings in its checkpoints, so a resume runs what the run ran. Where the
     run ran (folder, device, launch) is not the run's: it is left out."""
@@ -157,7 +202,7 @@ class Settings:
         pass  # read from the manifest before the run is built (run_folder.saved_settings)
 
 
-def stateful(run: _Run) -> dict[str, Any]:
+def stateful(run: Run) -> dict[str, Any]:
     """Everything a checkpoint holds, by name (the names are keys in the checkpoint)."""
     stepper = run.stepper
     return {
@@ -172,7 +217,7 @@ def stateful(run: _Run) -> dict[str, Any]:
     }
 
 
-def load(run: _Run, info: CheckpointInfo) -> list[str]:
+def load(run: Run, info: CheckpointInfo) -> list[str]:
     """Load ``info`` into the run (model, optimizer, schedule, stepper, data position);
     returns the lines that say what was resumed."""
     objects = stateful(run)
@@ -193,7 +238,7 @@ def load(run: _Run, info: CheckpointInfo) -> list[str]:
     return lines
 
 
-def checkpointer(run: _Run) -> Checkpointer:
+def checkpointer(run: Run) -> Checkpointer:
     """The run's checkpoints (``OUT/checkpoints``), recording how its windows are laid out."""
     return Checkpointer(
         run.out / "checkpoints",

@@ -27,7 +27,6 @@ import json
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,21 +34,22 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from gradstep import GradientNoiseScale, Stepper, StepStats, optim, parallel
-from gradstep.checkpoint import Checkpointer, CheckpointInfo
+from gradstep import GradientNoiseScale, Stepper, StepStats, parallel
+from gradstep.checkpoint import CheckpointInfo
 from gradstep.memory import checkpoint_blocks
 from gradstep.metrics import FINISHED_FILE, MetricsLogger, jsonable
 from gradstep.policies import clip_policies
 
 from . import parallel_plan, planning, preflight, resume, run_folder, summary
-from .batching import Layout, layout_for, rank_batches, windows_of
+from .batching import layout_for, rank_batches, windows_of
+from .components import build_optimizer, loss_for
 from .config import TrainConfig
-from .data import Batch, TextSource, TrainBatches, load_source
+from .data import Batch, load_source
 from .evaluation import LMLoss, evaluate
-from .hf_model import HFLoss, build_model, count_batch, load_tokenizer
+from .hf_model import build_model, load_tokenizer
 from .schedule import BatchRamp, LRSchedule, WarmupCosine, ramp_windows
 
-__all__ = ["LMLoss", "WarmupCosine", "evaluate", "train"]
+__all__ = ["LMLoss", "WarmupCosine", "build_optimizer", "evaluate", "loss_for", "train"]
 
 TRAIN_LOSS_WINDOW = 10  # final train loss = token-weighted mean over the last N steps
 
@@ -130,56 +130,12 @@ def _plan(cfg: TrainConfig, env: parallel.DistEnv) -> planning.Planned:
 # --------------------------------------------------------------------------------- setup
 
 
-@dataclass
-class _Run:
-    """Everything the loop touches, built once by :func:`_setup`."""
-
-    cfg: TrainConfig
-    out: Path
-    device: torch.device
-    world_size: int
-    """Launched ranks."""
-    data_ranks: int
-    """Ranks that read different data (the world, or its data-parallel part under --tp)."""
-    is_main: bool
-    """Rank 0: the only process that prints and writes files."""
-    model: nn.Module
-    stepper: Stepper
-    train_iter: TrainBatches
-    val: list[Batch]
-    source: TextSource
-    accum_steps: int
-    """Micro-batches per window on each rank."""
-    layout: Layout
-    schedule: LRSchedule
-    progress: resume.Progress = field(default_factory=resume.Progress)
-    planned_peak_mb: float | None = None
-    """The plan's predicted peak (--micro-batch-size auto), logged next to the measured one."""
-    start: int = 0
-    """Steps already taken: the step of the checkpoint resumed from."""
-    checkpointer: Checkpointer | None = None
-    ramp: BatchRamp | None = None
-    gns: GradientNoiseScale | None = None
-    tokenizer: Any = None
-    """The HF model's tokenizer (None: the demo GPT's bytes)."""
-
-    @property
-    def budget(self) -> int:
-        """Micro-batches per rank the run trains on (ramped runs end on it)."""
-        return self.cfg.max_steps * self.accum_steps
-
-    def finished(self, steps: int) -> bool:
-        if self.ramp is None:
-            return steps >= self.cfg.max_steps
-        return self.progress.micro_batches >= self.budget
-
-
 def _setup(
     cfg: TrainConfig,
     env: parallel.DistEnv,
     info: CheckpointInfo | None,
     planned: planning.Planned | None,
-) -> _Run:
+) -> resume.Run:
     """The run: model, optimizer and Stepper, data, LR schedule; resumed from ``info``."""
     data_rank, world = parallel_plan.data_rank(cfg, env.rank, env.world_size)
     torch.manual_seed(cfg.seed)
@@ -194,7 +150,7 @@ def _setup(
     shape = WarmupCosine(cfg.warmup, horizon or cfg.max_steps, cfg.min_lr / cfg.lr)
     if cfg.global_batch is not None:  # config.json says how the batch is really split
         cfg = dataclasses.replace(cfg, accum_steps=layout.micro_batches)
-    run = _Run(
+    run = resume.Run(
         cfg=cfg,
         out=Path(cfg.out),
         device=env.device,
@@ -249,30 +205,10 @@ def _model_and_stepper(
     return model, stepper, gns
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """``cfg.optimizer`` with decay on matrices/embeddings only: decaying norm gains just
-    hurts, and LARS/LAMB do not adapt them either (gradstep.optim.param_groups)."""
-    groups = optim.param_groups(model, weight_decay=cfg.weight_decay)
-    if cfg.optimizer == "lars":
-        return optim.LARS(groups, lr=cfg.lr, momentum=0.9)
-    if cfg.optimizer == "lamb":
-        return optim.LAMB(groups, lr=cfg.lr)  # no internal clip: the Stepper clips
-    # torch's optimizers: the same two groups, without the LARS/LAMB-only key.
-    groups = [{k: v for k, v in g.items() if k != "always_adapt"} for g in groups]
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=0.9)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
-
-
-def loss_for(cfg: TrainConfig, device: torch.device) -> tuple[Callable, Callable | None]:
-    """(loss_fn, count) of the run's model: an HF model's may hold a router aux term."""
-    return (HFLoss(device), count_batch) if cfg.is_hf else (LMLoss(device), None)
-
-
 # ---------------------------------------------------------------------------------- loop
 
 
-def _run_loop(run: _Run, started: float, callbacks: Sequence[Callable]) -> dict[str, Any]:
+def _run_loop(run: resume.Run, started: float, callbacks: Sequence[Callable]) -> dict[str, Any]:
     """The loop with its logger, then the summary."""
     if run.start and run.is_main:
         resume.cut_metrics(run.out / "metrics.jsonl", run.start)
@@ -298,7 +234,7 @@ def _run_loop(run: _Run, started: float, callbacks: Sequence[Callable]) -> dict[
     return result
 
 
-def _loop(run: _Run, logger: MetricsLogger) -> dict[str, Any]:
+def _loop(run: resume.Run, logger: MetricsLogger) -> dict[str, Any]:
     """The training loop: one window -> one ``stepper.step`` -> one metrics record."""
     cfg, progress = run.cfg, run.progress
     loss_fn, count = loss_for(cfg, run.device)
@@ -340,7 +276,7 @@ def _loop(run: _Run, logger: MetricsLogger) -> dict[str, Any]:
     return summary.final_losses(progress, n, val_loss)
 
 
-def _windows(run: _Run) -> Iterator[list[Batch]]:
+def _windows(run: resume.Run) -> Iterator[list[Batch]]:
     """The run's remaining windows: fixed ones, or a ramp's growing ones."""
     if run.ramp is None:
         todo = max(0, run.cfg.max_steps - run.start)
@@ -349,7 +285,7 @@ def _windows(run: _Run) -> Iterator[list[Batch]]:
     return ramp_windows(run.train_iter, run.ramp, run.start, left)
 
 
-def _extra(run: _Run) -> dict[str, Any]:
+def _extra(run: resume.Run) -> dict[str, Any]:
     """Record fields beyond StepStats: the plan's prediction, the noise scale."""
     extra: dict[str, Any] = {}
     if run.planned_peak_mb is not None:
@@ -359,7 +295,7 @@ def _extra(run: _Run) -> dict[str, Any]:
     return extra
 
 
-def _save(run: _Run, step: int) -> int:
+def _save(run: resume.Run, step: int) -> int:
     if run.checkpointer is not None:
         run.checkpointer.save(step, **resume.stateful(run))
     return step
@@ -384,7 +320,7 @@ def _show(bar: tqdm, where: str, postfix: dict[str, str]) -> None:
 # ------------------------------------------------------------------------------ plumbing
 
 
-def _note(run: _Run, line: str) -> None:
+def _note(run: resume.Run, line: str) -> None:
     if run.is_main:
         tqdm.write(line, file=sys.stderr)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .model import TransformerShape
+    from .shape import TransformerShape
 
 __all__ = ["ATTENTION", "activations", "per_token_terms"]
 

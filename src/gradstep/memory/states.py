@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from .activations import _Bytes
+from .shape import _numel
 
 if TYPE_CHECKING:
-    from .model import Shape
+    from .shape import Shape
 
 __all__ = ["OptimizerMemory"]
 
@@ -97,10 +98,6 @@ NAMED_OPTIMIZERS = {
 """The optimizers :meth:`OptimizerMemory.named` knows (AdamW/Adam: without foreach)."""
 
 _FP32 = 4
-
-
-def _numel(shapes: Sequence[tuple[int, ...]]) -> int:
-    return sum(math.prod(s) for s in shapes)
 
 
 def _shard_numel(shapes: Sequence[tuple[int, ...]], world: int) -> int:
