@@ -167,6 +167,20 @@ def test_a_collective_failure_is_found_under_the_error_that_wraps_it() -> None:
     assert message is not None and "(--collective-timeout 15 s)" in message
 
 
+def test_a_process_group_that_cannot_connect_after_a_restart_says_what_to_set() -> None:
+    """The gloo error a torchrun restart raises when its workers read the dead workers'
+    addresses (torch 2.13's shared rendezvous store): named, with the setting that avoids
+    it, not taken for a collective that timed out or a rank that died."""
+    exc = RuntimeError(
+        "[../third_party/gloo/gloo/transport/tcp/pair.cc:144] Gloo connectFullMesh failed "
+        "with [../third_party/gloo/gloo/transport/tcp/pair.cc:144] connect [127.0.0.1]:5123: "
+        "Connection refused"
+    )
+    message = gd.collective_failure(exc) or ""
+    assert message.startswith("could not connect to another rank while creating"), message
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in message and "\n" not in message, message
+
+
 def test_the_timeout_init_set_and_the_callers_name_for_it() -> None:
     """With no number in the backend's message, the value init() set is named; a library
     caller can name its own setting."""

@@ -53,6 +53,7 @@ _LOST = re.compile(
     re.IGNORECASE,
 )
 _TIMEOUT_MS = re.compile(r"Timed out waiting (\d+)ms|Timeout\(ms\)=(\d+)")
+_CONNECT = re.compile(r"connectFullMesh")  # gloo building its pairs: the group's creation
 
 
 def check_timeout(timeout_s: float | None, name: str = "timeout_s") -> None:
@@ -123,6 +124,14 @@ def collective_failure(exc: BaseException, setting: str = "--collective-timeout"
     text = str(cause)
     timeout = _timeout_words(cause, setting)
     said = f"(backend: {_reason(cause)})"
+    if _CONNECT.search(text):
+        return (
+            "could not connect to another rank while creating the process group. After a "
+            "torchrun restart (--max-restarts) the new workers may read the dead workers' "
+            "addresses from the rendezvous store (torch 2.13, pytorch#135712): launch with "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and c10d rendezvous (--rdzv_backend=c10d "
+            f"or --standalone). Else check that every rank can reach the others. {said}"
+        )
     # Timeout first: NCCL's abort after a watchdog timeout also says the comm was aborted.
     if _TIMED_OUT.search(text):
         return (
