@@ -10,19 +10,17 @@ holds 2 of them.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
 from gradstep_demo.model import GPT, GPTConfig
-from tests.parallel.tp_ranks import loss_sum, optimizer
-from tests.support.batches import concat, make_windows
+from tests.parallel.tp_ranks import MAX_NORM, NORM_TYPES, loss_sum, optimizer
+from tests.parallel.tp_ranks import reference as tp_reference
+from tests.support.batches import make_windows
 
 GPT4 = GPTConfig(vocab_size=32, n_layer=2, n_head=4, d_model=16, max_seq_len=16)
 STEPS, K, TP, HSDP = 3, 2, 2, 2
-MAX_NORM = 1e-2  # below every norm: the clip acts on every step
-NORM_TYPES = (2.0, 1.0, math.inf)  # the clip's norm type on steps 1, 2, 3
 
 
 def gpt64() -> GPT:
@@ -41,25 +39,9 @@ def data(dp: int) -> list[list[list[dict]]]:
 
 
 def reference(dp: int) -> list[dict[str, Any]]:
-    """One process, float64, the plain way: every data rank's micro-batches as one batch,
-    loss = sum of token losses / their count, the clip coefficient min(1, max / (norm +
-    1e-6)), AdamW. Per step: loss, items, pre-clip norm, parameters after the step."""
-    model = gpt64()
-    opt = optimizer("adamw", model.parameters())
-    out = []
-    for step, per_rank in enumerate(data(dp)):
-        batch = concat([mb for mbs in per_rank for mb in mbs])
-        items = int((batch["labels"] != -100).sum())
-        opt.zero_grad(set_to_none=True)
-        loss = loss_sum(model, batch).total / items
-        loss.backward()
-        grads = [p.grad for p in model.parameters()]
-        norm = float(torch.nn.utils.get_total_norm(grads, NORM_TYPES[step]))
-        torch._foreach_mul_(grads, min(1.0, MAX_NORM / (norm + 1e-6)))
-        opt.step()
-        params = {n: p.detach().clone() for n, p in model.named_parameters()}
-        out.append({"loss": loss.item(), "items": items, "norm": norm, "params": params})
-    return out
+    """One process, float64, the plain way (:func:`tests.parallel.tp_ranks.reference`) on
+    the demo GPT and this module's data, AdamW."""
+    return tp_reference("adamw", dp, model=gpt64, windows=data(dp))
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.parallel import layout_ranks as lr
+from tests.parallel.tp_ranks import check_steps
 from tests.support.multiproc import run_ranks
 
 pytestmark = pytest.mark.distributed
@@ -33,8 +34,8 @@ def test_prepare_model_builds_tp_and_hsdp_layouts_that_train_exactly() -> None:
         assert hsdp["replicas"] == lr.HSDP, rank
         assert tp["local_numel"] == _modelled(tp=lr.TP), rank
         assert hsdp["local_numel"] == _modelled(hsdp=lr.HSDP), rank
-        _check_steps(rank, tp["steps"], tp_ref)
-        _check_steps(rank, hsdp["steps"], hsdp_ref)
+        check_steps(rank, tp["steps"], tp_ref, EXACT)
+        check_steps(rank, hsdp["steps"], hsdp_ref, EXACT)
         refused = res["refused"]
         assert "tp=3 must divide the number of ranks (4): one of 1, 2, 4" in refused["tp3"]
         assert "hsdp=3 must divide the number of ranks (4)" in refused["hsdp3"]
@@ -53,16 +54,3 @@ def _modelled(**mesh: int) -> int:
         gpt_shape(lr.GPT4), 1, param_dtype=torch.float64, world_size=WORLD, sharded=True, **mesh
     )
     return est.params // 8
-
-
-def _check_steps(rank: int, steps: list[dict], ref: list[dict]) -> None:
-    for step, (got, want) in enumerate(zip(steps, ref, strict=True)):
-        stats, where = got["stats"], (rank, step)
-        assert stats.items == want["items"], where
-        assert stats.loss == pytest.approx(want["loss"], rel=EXACT), where
-        assert stats.grad_norm == pytest.approx(want["norm"], rel=EXACT), where
-        assert stats.clipped and stats.clip_coef < 1, where
-        for name, param in want["params"].items():
-            torch.testing.assert_close(
-                got["params"][name], param, rtol=EXACT, atol=EXACT, msg=f"{where} {name}"
-            )

@@ -13,7 +13,6 @@ only, taken in backward or after it."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.parallel import tp_ranks as tp
 from tests.support.multiproc import run_ranks
@@ -34,7 +33,7 @@ def test_fsdp2_with_tensor_parallel_equals_one_process(
     for rank, res in enumerate(ranks):
         assert res["strategy"] == "FSDP2TPStrategy" and res["world_size"] == tp.DP, rank
         assert res["divisor"] == tp.DP, rank
-        _check_steps(rank, res["steps"], ref)
+        tp.check_steps(rank, res["steps"], ref, EXACT)
         assert res["mismatch"] is not None and "different lengths" in res["mismatch"], rank
 
 
@@ -45,18 +44,4 @@ def test_hsdp_equals_one_process(in_backward: bool) -> None:
     for rank, res in enumerate(run_ranks(tp.hsdp_run, world, in_backward, timeout=300)):
         assert res["strategy"] == "FSDP2Strategy" and res["world_size"] == world, rank
         assert res["in_backward"] is in_backward, rank
-        _check_steps(rank, res["steps"], ref)
-
-
-def _check_steps(rank: int, steps: list[dict], ref: list[dict]) -> None:
-    for step, (got, want) in enumerate(zip(steps, ref, strict=True)):
-        stats, where = got["stats"], (rank, step)
-        assert stats.items == want["items"], where
-        assert stats.loss == pytest.approx(want["loss"], rel=EXACT), where
-        assert stats.grad_norm == pytest.approx(want["norm"], rel=EXACT), where
-        assert stats.clipped and stats.clip_coef < 1, where
-        for name in want["params"]:  # the clipped gradient, and the parameters after the step
-            for key in ("grads", "params"):
-                torch.testing.assert_close(
-                    got[key][name], want[key][name], rtol=EXACT, atol=EXACT, msg=str(where)
-                )
+        tp.check_steps(rank, res["steps"], ref, EXACT)

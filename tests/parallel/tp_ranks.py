@@ -12,6 +12,7 @@ micro-batches; the dp ranks get different ones, with different token counts.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -110,15 +111,20 @@ def optimizer(name: str, params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.5, momentum=0.9, weight_decay=0.01)
 
 
-def reference(opt_name: str, dp: int = DP) -> list[dict[str, Any]]:
+def reference(
+    opt_name: str,
+    dp: int = DP,
+    model: Callable[[], nn.Module] = model64,
+    windows: list[list[list[Batch]]] | None = None,
+) -> list[dict[str, Any]]:
     """The plain way, one process, float64: per step the full batch of every dp rank, loss
     = sum of token losses / their count, ``get_total_norm``, scale by min(1, max / (norm +
     1e-6)) (``clip_grad_norm_``'s coefficient, which ``ClipNorm`` uses), step. Per step:
     the loss, items, pre-clip norm, and the gradients and parameters after the step."""
-    model = model64()
+    model = model()
     opt = optimizer(opt_name, model.parameters())
     out = []
-    for step, per_rank in enumerate(data(dp)):
+    for step, per_rank in enumerate(data(dp) if windows is None else windows):
         batch = concat([mb for mbs in per_rank for mb in mbs])
         items = int((batch["labels"] != -100).sum())
         opt.zero_grad(set_to_none=True)
@@ -236,3 +242,21 @@ def hsdp_run(rank: int, world: int, in_backward: bool) -> dict[str, Any]:
         grads = {n: _full(p.grad).detach().clone() for n, p in model.named_parameters()}
         out["steps"].append({"stats": stats, "params": params, "grads": grads})
     return out
+
+
+def check_steps(rank: int, steps: list[dict], ref: list[dict], exact: float = 1e-12) -> None:
+    """Each step's stats, and the parameters (and gradients, where recorded) after it,
+    against :func:`reference`: to ``exact``, with the clip acting."""
+    import pytest
+
+    for step, (got, want) in enumerate(zip(steps, ref, strict=True)):
+        stats, where = got["stats"], (rank, step)
+        assert stats.items == want["items"], where
+        assert stats.loss == pytest.approx(want["loss"], rel=exact), where
+        assert stats.grad_norm == pytest.approx(want["norm"], rel=exact), where
+        assert stats.clipped and stats.clip_coef < 1, where
+        for key in ("grads", "params"):
+            for name in want[key] if key in got else ():
+                torch.testing.assert_close(
+                    got[key][name], want[key][name], rtol=exact, atol=exact, msg=str(where)
+                )
