@@ -191,13 +191,9 @@ def estimate_step_memory(
     :data:`gradstep.memory.activations.ATTENTION`) are a :class:`TransformerShape`'s: an
     :class:`HFShape` carries its own dropout.
 
-    2-D meshes (``sharded`` only; ``world_size`` counts every rank): ``hsdp=R`` (HSDP) shards
-    over the ``world_size / R`` ranks of a replica instead of all of them; ``tp=N`` (FSDP2 +
-    tensor parallel, a :class:`TransformerShape` only) splits the blocks' matmuls, their
-    weights, gradients and optimizer state and the activations inside attention and the
-    MLP by ``N`` (:class:`TransformerShape`'s ``tp``), and FSDP2 shards over the
-    ``world_size / N`` data-parallel ranks. HSDP's all-reduce buffers and tensor
-    parallel's communication buffers are not modelled.
+    2-D meshes (``sharded``; ``world_size`` counts every rank; docs/memory.md): ``hsdp=R``
+    shards over one replica's ``world_size / R`` ranks; ``tp=N`` splits the blocks' matmuls
+    (:class:`TransformerShape`'s ``tp``) and shards over the ``world_size / N`` dp ranks.
     """
     _check_args(micro_batch_size, world_size, attention)
     shape, shard_ranks = _mesh(shape, world_size, sharded, tp, hsdp)
