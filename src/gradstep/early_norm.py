@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -91,12 +91,13 @@ class EarlyNorm:
         cls, enabled: bool, strategy: Strategy, params: Sequence[nn.Parameter], norm_type: float
     ) -> EarlyNorm | None:
         """An EarlyNorm with the hooks of a :class:`FinalGrads` strategy that record into it;
-        None when not ``enabled`` (see :func:`decide`) or when the strategy cannot on this
-        model (then the norm is taken after backward)."""
-        if not enabled or not isinstance(strategy, FinalGrads):
+        None when not ``enabled`` (:func:`decide`, which already checked the strategy is
+        one) or when the strategy cannot on this model (then the norm is taken after
+        backward)."""
+        if not enabled:
             return None
         early = cls(norm_type, params)
-        early.hooks = strategy.final_grads(early.params, early.record)
+        early.hooks = cast(FinalGrads, strategy).final_grads(early.params, early.record)
         return None if early.hooks is None else early
 
     def record(self, param: nn.Parameter, grad: torch.Tensor) -> None:

@@ -255,7 +255,7 @@ class Stepper:
             # The loss does not depend on any trainable parameter: an update would only
             # apply weight decay. (Under DDP/FSDP2 the backend always leaves gradients.)
             return self._skip(window, "no gradient: the loss does not depend on the model", 0.0)
-        view = self._view(window, named_grads)
+        view = self._view(window, grads, named_grads)
         # THE normalisation: sum of per-item gradients -> mean over the global item count,
         # with the backend's average over ranks and the fp16 pre-scale undone. Pending: it
         # is applied to the tensors in the same pass as a norm clip (view.materialize).
@@ -271,9 +271,9 @@ class Stepper:
         view.materialize()
         return self._update(window, norm, decision, post_clip_norm=view.norm)
 
-    def _view(self, window: Window, named_grads: list[tuple[str, Any, Any]]) -> GradientView:
+    def _view(self, window: Window, grads: list[Any], named_grads: list[Any]) -> GradientView:
         return GradientView(
-            grads=[g for _, _, g in named_grads],
+            grads=grads,
             scale=1.0,
             norm=window.raw_norm,
             norm_type=self._norm_type,

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .base import ProcessGroupStrategy
+from .base import ProcessGroupStrategy, shard_norm
 from .dtensor import first_copy, to_local
 from .fsdp2 import FSDP2Strategy, fsdp_mesh_info
 
@@ -39,7 +39,6 @@ class FSDP2TPStrategy(FSDP2Strategy):
     model_parallel = True
 
     def __init__(self, model: nn.Module) -> None:
-        from torch.distributed.tensor import DTensor
 
         from ..errors import UnsupportedSetup
 
@@ -62,7 +61,6 @@ class FSDP2TPStrategy(FSDP2Strategy):
         self._first_on_model_dims = all(
             full.get_local_rank(name) == 0 for name in full.mesh_dim_names if name not in dp_names
         )
-        self._isdt = lambda t: isinstance(t, DTensor)
 
     @staticmethod
     def detects(model: nn.Module) -> bool:
@@ -78,21 +76,20 @@ class FSDP2TPStrategy(FSDP2Strategy):
 
     def counted(self, t: torch.Tensor) -> bool:
         """Whether this rank's part of ``t`` counts in a sum over every rank."""
-        if self._isdt(t) and t.device_mesh.size() == self.agree_ranks:  # type: ignore[attr-defined]
+        mesh = getattr(t, "device_mesh", None)
+        if mesh is not None and mesh.size() == self.agree_ranks:
             return first_copy(t)
         return first_copy(t) and self._first_on_model_dims
 
     def total_norm(self, grads: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
         import torch.distributed as dist
 
+        if math.isinf(norm_type):  # copies do not change a max
+            out = shard_norm(grads, norm_type).to(torch.float64, copy=True)
+            dist.all_reduce(out, op=dist.ReduceOp.MAX)  # over every rank, not dp alone
+            return out
         locals_ = [to_local(g) for g in grads]
         device = locals_[0].device if locals_ else torch.device("cpu")
-        if math.isinf(norm_type):  # copies do not change a max
-            parts = [torch.linalg.vector_norm(g, math.inf) for g in locals_ if g.numel()]
-            mine = torch.stack(parts).max() if parts else torch.zeros((), device=device)
-            out = mine.to(torch.float64, copy=True)
-            dist.all_reduce(out, op=dist.ReduceOp.MAX)
-            return out
         powers = [
             torch.linalg.vector_norm(g, norm_type, dtype=torch.float64) ** norm_type
             for g, whole in zip(locals_, grads, strict=True)
