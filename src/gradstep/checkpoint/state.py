@@ -229,12 +229,26 @@ def dcp_save(
 
 
 def _dcp_load(payload: dict[str, Any], path: str) -> None:
+    """DCP's load through the safe reader and planner (:mod:`.safe_dcp`)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
+    from .safe_dcp import SafeLoadPlanner, SafeReader
+
+    reader, planner = SafeReader(path), SafeLoadPlanner(path)
     with warnings.catch_warnings():
         # Loading a multi-rank checkpoint into one process is what we mean to do here.
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load(payload, checkpoint_id=path, no_dist=not collectives.is_initialized())
+        try:
+            dcp.load(
+                payload, storage_reader=reader, planner=planner,
+                no_dist=not collectives.is_initialized(),
+            )  # fmt: skip
+        except CheckpointException as exc:  # every rank's failures, gathered by DCP
+            refused = [e for e, _ in exc.failures.values() if isinstance(e, CheckpointError)]
+            if refused:
+                raise CheckpointError(str(refused[0])) from None
+            raise
 
 
 def dcp_prepare(
@@ -245,7 +259,6 @@ def dcp_prepare(
     trainable_only: bool = False,
 ) -> tuple[list[str], Callable[[], None]]:
     """Validate a DCP checkpoint against the model; return (problems, loader)."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         get_state_dict,
         set_model_state_dict,
@@ -253,7 +266,11 @@ def dcp_prepare(
     )
 
     path = str(folder / "dcp")
-    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    from .safe_dcp import check_entries, read_metadata
+
+    metadata = read_metadata(path)
+    check_entries(path, metadata)  # a forged entry is refused before anything is loaded
+    meta = metadata.state_dict_metadata
     saved = {
         k.removeprefix("model."): tuple(v.size) if hasattr(v, "size") else None
         for k, v in meta.items()
