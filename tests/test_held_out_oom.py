@@ -23,11 +23,14 @@ SCENARIOS = {  # name: (rows per micro-batch on rank 0, on rank 1, rank 1 runs o
     "uneven micro-batches on the rank that splits": ((1, 1), (3, 1), 1),
 }
 LAST = {"out of memory in the last micro-batch": ((1, 2), (1, 2), 1)}
-"""The forward that runs out is the window's last (gradient sync on): see the xfail."""
+"""The forward that runs out is the window's last, the one with gradient sync on: under DDP
+the other rank's reducer is then armed for a backward that never comes (issue 28 §4)."""
+STEPS = 2
+"""Windows per scenario: the one that splits, and one after it (DDP rebuilds its buckets)."""
 
 
-def window(rank: int, sizes: tuple[int, ...]) -> list[dict]:
-    gen = torch.Generator().manual_seed(11 + 17 * rank)
+def window(rank: int, sizes: tuple[int, ...], step: int = 0) -> list[dict]:
+    gen = torch.Generator().manual_seed(11 + 17 * rank + 101 * step)
     out = []
     for n in sizes:
         lengths = torch.randint(2, TINY_GPT.max_seq_len, (n,), generator=gen).tolist()
@@ -58,8 +61,10 @@ def split_ranks(rank: int, world: int, strategy: str, scenarios: dict = SCENARIO
         stepper = gradstep.Stepper(model, opt, clip=None, on_oom="split")
         loss_fn = lm_loss if rank == 0 else OutOfMemoryAbove(limit)
         try:
-            stats = stepper.step(window(rank, (rows0, rows1)[rank]), loss_fn)
-            result: dict = {"splits": stats.oom_splits, "items": stats.items}
+            stats = [
+                stepper.step(window(rank, (rows0, rows1)[rank], s), loss_fn) for s in range(STEPS)
+            ]
+            result: dict = {"splits": stats[0].oom_splits, "items": [s.items for s in stats]}
         except Exception as exc:  # reported, not raised: the other rank's result is wanted
             result = {"error": f"{type(exc).__name__}: {exc}"}
         result["params"] = {
@@ -75,7 +80,9 @@ def split_ranks(rank: int, world: int, strategy: str, scenarios: dict = SCENARIO
 def one_process(rows0: tuple[int, ...], rows1: tuple[int, ...]) -> dict[str, torch.Tensor]:
     model = tiny_gpt(torch.float64)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    gradstep.Stepper(model, opt, clip=None).step(window(0, rows0) + window(1, rows1), lm_loss)
+    stepper = gradstep.Stepper(model, opt, clip=None)
+    for s in range(STEPS):
+        stepper.step(window(0, rows0, s) + window(1, rows1, s), lm_loss)
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -99,20 +106,48 @@ def check(ranks: list[dict], scenarios: dict) -> None:
                 assert rel_err([r["params"][key]], [value]) < 1e-12, (name, key)
 
 
-KNOWN_DDP_BUG = pytest.mark.xfail(
-    strict=True,
-    reason="known: under DDP a forward run with gradient sync (the window's last) whose "
-    "window then fails leaves DDP's reducer expecting a backward; in the retried window "
-    "the first backward all-reduces on that rank only (gloo: 'Received data size doesn't "
-    "match expected size', the rank aborts)",
-)
-
-
 @pytest.mark.distributed
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("strategy", ["fsdp", pytest.param("ddp", marks=KNOWN_DDP_BUG)])
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
 def test_out_of_memory_in_the_last_micro_batch_on_one_rank_splits_every_rank(strategy):
     from tests.support.multiproc import run_ranks
 
     ranks = run_ranks(split_ranks, 2, strategy, LAST, timeout=120, collective_timeout_s=30)
     check(ranks, LAST)
+
+
+def tp_last_ranks(rank: int, world: int) -> dict:
+    """FSDP2 + tensor parallel on (dp=2, tp=2): rank 1 ALONE (dp rank 0, one of its two
+    tensor-parallel peers) runs out of memory in the window's last micro-batch (3 rows) of
+    the first step; tp_ranks' AdamW, ClipNorm acting, then two more steps."""
+    from tests.parallel import tp_ranks as tp
+
+    model, mesh = tp.build(sp=False)
+    opt = tp.optimizer("adamw", model.parameters())
+    stepper = gradstep.Stepper(model, opt, on_oom="split")
+    dp_rank = mesh["dp"].get_local_rank()
+
+    def loss_fn(m: torch.nn.Module, mb: dict) -> gradstep.LossSum:
+        if rank == 1 and stepper.step_count == 0 and mb["input_ids"].shape[0] > 2:
+            raise torch.OutOfMemoryError("out of memory (injected)")
+        return tp.loss_sum(m, mb)
+
+    steps = []
+    for step, per_rank in enumerate(tp.data()):
+        stepper.clip = gradstep.ClipNorm(tp.MAX_NORM, norm_type=tp.NORM_TYPES[step])
+        stats = stepper.step(per_rank[dp_rank], loss_fn)
+        params = {n: tp._full(p).detach().clone() for n, p in model.named_parameters()}
+        steps.append({"stats": stats, "params": params})
+    return {"steps": steps}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_out_of_memory_in_the_last_micro_batch_on_one_tensor_parallel_rank():
+    from tests.parallel import tp_ranks as tp
+    from tests.support.multiproc import run_ranks
+
+    ref = tp.reference("adamw")
+    for rank, res in enumerate(run_ranks(tp_last_ranks, 4, timeout=240, collective_timeout_s=60)):
+        assert [s["stats"].oom_splits for s in res["steps"]] == [1, 0, 0], rank
+        tp.check_steps(rank, res["steps"], ref, 1e-12)

@@ -329,3 +329,14 @@ def test_a_memory_error_without_a_message_is_split_too():
 
     stats, update, _ = _run(loss_fn, on_oom="split")
     assert stats[0].oom_splits == 1 and max(calls[-4:]) == 2
+
+
+def test_a_one_dnn_kernel_failure_says_the_thread_cannot_compile_any_more():
+    """oneDNN (torch 2.13) fails every later compile on a thread where one ran out of
+    memory: the error must say the halvings measured that, not the memory left."""
+    from gradstep.oom import too_large_error
+
+    plain = str(too_large_error(3, "RuntimeError: DefaultCPUAllocator: can't allocate memory"))
+    assert "after 3 halvings" in plain and "oneDNN" not in plain
+    kernel = str(too_large_error(5, "RuntimeError: could not create a primitive"))
+    assert "cannot compile one for any new shape" in kernel and "restart the process" in kernel

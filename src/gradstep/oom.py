@@ -145,10 +145,19 @@ def too_large(micro_batches: list[Any]) -> bool:
 
 def too_large_error(halvings: int, last_error: str | None = None) -> MicroBatchTooLarge:
     said = f" (the last error: {last_error})" if last_error else ""
+    stuck = ""
+    if last_error and "could not create a primitive" in last_error:
+        # oneDNN (torch 2.13) cannot compile any new kernel on a thread where one compile
+        # ran out of memory: smaller shapes fail too, so the halvings prove nothing.
+        stuck = (
+            "; oneDNN failed to compile a kernel, and after that it cannot compile one for "
+            "any new shape in this thread, so the halvings said nothing of the memory: "
+            "restart the process with more memory"
+        )
     return MicroBatchTooLarge(
         f"on_oom='split': after {halvings} halvings, micro-batches of one item still do not "
-        f"fit in the memory this process has{said}; shorten the sequences, shrink the model, "
-        "checkpoint activations, or allow more memory"
+        f"fit in the memory this process has{said}{stuck}; shorten the sequences, shrink the "
+        "model, checkpoint activations, or allow more memory"
     )
 
 

@@ -1,14 +1,19 @@
 """Out-of-memory as the allocators really report it, under a real address-space limit.
 
-A child process (``real_oom_child.py``) warms up, takes an unlimited reference step, then
-caps ``RLIMIT_AS`` a little above what it uses and takes the same step with
+A child process per precision (``real_oom_child.py``) warms up, takes an unlimited
+reference step, compiles the kernels of every halved micro-batch size, then caps
+``RLIMIT_AS`` a little above what it uses and takes the same step with
 ``Stepper(on_oom="split")``. Under the cap torch's CPU allocator fails (``RuntimeError:
-... DefaultCPUAllocator: can't allocate memory``) and so does oneDNN when it creates a
-kernel for the new, halved shape (``RuntimeError: could not create a primitive``; every
-bf16 case failed this way before gradstep recognised it). The window must be split and its
-update must equal the reference's: fp32 to 1e-5 (relative, whole update; only the
-summation order over micro-batches differs), bf16 autocast to 5e-3 (its matmuls round
-per micro-batch; bf16's epsilon is 7.8e-3).
+... DefaultCPUAllocator: can't allocate memory``). The window must be split and its update
+must equal the reference's: fp32 to 1e-5 (relative, whole update; only the summation order
+over micro-batches differs), bf16 autocast to 5e-3 (its matmuls round per micro-batch;
+bf16's epsilon is 7.8e-3).
+
+The kernels are compiled before the cap because oneDNN in torch 2.13 cannot recover from a
+kernel it failed to compile for lack of memory (``could not create a primitive``): the
+failure stays in a thread-local flag and every later new kernel on that thread fails too,
+whatever the memory (see the child's docstring). Left under the cap, that made this test
+pass or fail by where the cap happened to bite (about half the bf16 runs failed).
 """
 
 from __future__ import annotations

@@ -48,6 +48,21 @@ class DDPStrategy(ProcessGroupStrategy):
             with self.model.no_sync():  # type: ignore[operator]
                 yield
 
+    def discard_partial_grads(self) -> None:
+        """Forget the backward DDP's reducer was told to expect.
+
+        A forward run with sync on (the window's last micro-batch) arms the reducer for a
+        reducing backward. When the window is dropped before that backward (out-of-memory
+        on another rank), the armed reducer would all-reduce the next window's FIRST
+        backward, under ``no_sync``, on this rank alone: the ranks' collectives no longer
+        pair (gloo aborts on a size mismatch). Every rank drops the window together, so
+        every rank resets here together; the reset also makes DDP rebuild its buckets at
+        the next synchronised step, again on every rank alike.
+        """
+        reducer = getattr(self.model, "reducer", None)
+        if reducer is not None:
+            reducer._reset_state()  # torch has no public call for this (2.13)
+
     def final_grads(self, params: Sequence[nn.Parameter], record: Callable) -> Any:
         """``record(param, its reduced gradient)`` as each bucket's all-reduce completes,
         through a communication hook that is DDP's own average-and-all-reduce plus the
