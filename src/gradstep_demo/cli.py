@@ -264,6 +264,8 @@ def _os_error(exc: OSError, command: str) -> str:
     }.get(exc.errno)
     if hint is None:
         return f"{what}{where}"
+    if command == "export":  # written beside --out and renamed: never half a folder
+        return f"{what}{where}: {hint.replace('the run', 'the export')}; nothing was published"
     if command != "train":
         return f"{what}{where}: {hint}"
     # Checkpoints are written to a temporary folder and renamed: the saved ones are whole.

@@ -20,7 +20,11 @@ stay float32). ``from_pretrained(dtype=...)`` casts on load.
 
 A LoRA checkpoint is checked against its base before anything is written: the base folder's
 weights must still be those the adapters were trained on (the checkpoint's base fingerprint).
-The folder appears complete or not at all (written beside it, then renamed).
+
+The folder appears complete or not at all, and a failed write names its file
+(:mod:`.export_folder`). The checkpoint is read under a
+:func:`~gradstep.checkpoint.read_lease`, so a trainer still writing the run does not prune
+it meanwhile.
 """
 
 from __future__ import annotations
@@ -29,10 +33,10 @@ import contextlib
 import dataclasses
 import io
 import json
+import logging
 import os
-import shutil
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +44,17 @@ import torch
 from torch import nn
 
 from gradstep import __version__
-from gradstep.checkpoint import Checkpointer, CheckpointError, CheckpointInfo
+from gradstep.checkpoint import (
+    MANIFEST,
+    Checkpointer,
+    CheckpointError,
+    CheckpointInfo,
+    read_lease,
+)
 
 from .config import TrainConfig, field_names
 from .config_checks import ConfigError
+from .export_folder import publish
 from .hf_model import HF_PREFIX, WEIGHT_FILES, build_model, load_tokenizer
 from .run_folder import saved_settings
 
@@ -61,37 +72,23 @@ def export_run(
     run_dir: str | Path, out: str | Path, *, step: int | None = None, merge_lora: bool = False
 ) -> Path:
     """Write the run's checkpoint (``step``, default the newest valid) to ``out``; return
-    ``out``. Raises ConfigError (a user mistake: names the argument and what to do) or
-    CheckpointError (an unusable checkpoint)."""
-    out = Path(out)
+    ``out``. Raises ConfigError (a user mistake: names the argument and what to do),
+    CheckpointError (an unusable checkpoint) or OSError (a failed write, naming the file)."""
+    if not os.fspath(out).strip():  # Path("") is ".": the current folder, written in place
+        raise ConfigError("--out must name the folder to write, got an empty path")
+    out, run_dir = Path(out), Path(run_dir)
     _check_out(out)
-    info = find_checkpoint(Path(run_dir), step)
-    cfg = run_settings(info, Path(run_dir))
-    _check_kind(cfg, info, merge_lora)
-    model, tokenizer = _rebuild(cfg, info)
+    with _pinned(run_dir, step) as info:
+        cfg = run_settings(info, run_dir)
+        _check_kind(cfg, info, merge_lora)
+        model, tokenizer = _rebuild(cfg, info)
     kind = "full" if not cfg.lora else "lora-merged" if merge_lora else "lora-adapter"
     if kind == "lora-merged":
         model = model.merge_and_unload()
-    _publish(out.resolve(), lambda folder: _write(folder, model, tokenizer, cfg, info, kind))
+    with _no_progress_bars():
+        publish(out, lambda folder: _write(folder, model, tokenizer, cfg, info, kind))
     print(f"exported {KINDS[kind]} of {info.path} (step {info.step}) to {out}", file=sys.stderr)
     return out
-
-
-def _publish(target: Path, write: Callable[[Path], None]) -> None:
-    """``write`` a folder beside ``target`` (an empty folder or none), then rename it into
-    place: the export appears complete or not at all."""
-    tmp = target.with_name(f".{target.name}.export-tmp")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(tmp, ignore_errors=True)  # what a killed export left
-    try:
-        with _no_progress_bars():
-            write(tmp)
-        if target.is_dir():
-            target.rmdir()  # checked empty before anything was built
-        os.rename(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 # ----------------------------------------------------------------------------- checks
@@ -117,19 +114,76 @@ def _where(run_dir: Path) -> Path:
     return run_dir / "checkpoints" if (run_dir / "checkpoints").is_dir() else run_dir
 
 
-def find_checkpoint(run_dir: Path, step: int | None) -> CheckpointInfo:
-    """The checkpoint to export: ``step``'s, or the newest valid one."""
+@contextlib.contextmanager
+def _pinned(run_dir: Path, step: int | None) -> Iterator[CheckpointInfo]:
+    """The checkpoint to export (``step``'s, or the newest valid one), leased while the
+    block reads it: a trainer still writing the run does not prune it meanwhile."""
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise ConfigError(f"--step must be an int >= 0, got {step!r}")
+    with contextlib.ExitStack() as held:
+        info = _lease(held, run_dir, step)
+        try:
+            yield info
+        except (OSError, CheckpointError) as exc:
+            # Gone although leased: a file system without locks, or a trainer from before
+            # leases. Say so, not "No such file or directory".
+            if info.path.exists():
+                raise
+            raise _pruned(info.path) from exc
+
+
+def _lease(held: contextlib.ExitStack, run_dir: Path, step: int | None) -> CheckpointInfo:
+    """Lease (onto ``held``) and verify the checkpoint to export."""
     where = _where(run_dir)
-    if (where / "manifest.json").is_file():  # one step-N folder
-        info = Checkpointer(where.parent).inspect(where)
+    if (where / MANIFEST).is_file():  # one step-N folder
+        info = _leased(held, where, chosen=True)
         if step is not None and step != info.step:
             raise ConfigError(
                 f"--step {step}: RUN_DIR {str(run_dir)!r} is the checkpoint of step "
                 f"{info.step}; pass its run folder to choose another step"
             )
         return info
+    for _ in range(3):  # a trainer pruned what was listed: list again
+        for folder in _candidates(run_dir, where, step):
+            try:
+                info = _leased(held, folder, chosen=step is not None)
+            except FileNotFoundError:
+                break
+            if info is not None:
+                return info
+        else:
+            raise ConfigError(
+                f"RUN_DIR {str(run_dir)!r}: no valid checkpoint (the unusable ones are "
+                "listed above)"
+            )
+    raise _pruned(where)
+
+
+def _leased(held: contextlib.ExitStack, folder: Path, chosen: bool) -> CheckpointInfo | None:
+    """``folder`` leased onto ``held`` and verified; None (unleased, with a warning) when it
+    is unusable and an older one may do. FileNotFoundError when it was pruned meanwhile."""
+    with contextlib.ExitStack() as lease:
+        try:
+            lease.enter_context(read_lease(folder))
+        except FileNotFoundError:
+            if chosen:
+                raise _pruned(folder) from None
+            raise
+        try:
+            info = Checkpointer(folder.parent).inspect(folder)
+        except CheckpointError as exc:
+            if not folder.exists():
+                raise _pruned(folder) if chosen else FileNotFoundError(folder) from exc
+            if chosen:
+                raise
+            logging.getLogger("gradstep.checkpoint").warning("%s; trying an older one", exc)
+            return None
+        held.enter_context(lease.pop_all())  # kept until the export has read it
+        return info
+
+
+def _candidates(run_dir: Path, where: Path, step: int | None) -> list[Path]:
+    """The folders that may be exported, newest first: ``step``'s, or all."""
     folders = Checkpointer(where).checkpoints()
     if not folders:
         raise ConfigError(
@@ -138,13 +192,7 @@ def find_checkpoint(run_dir: Path, step: int | None) -> CheckpointInfo:
             "also saves at the end of the run"
         )
     if step is None:
-        info = Checkpointer(where).latest()
-        if info is None:
-            raise ConfigError(
-                f"RUN_DIR {str(run_dir)!r}: no valid checkpoint (the unusable ones are "
-                "listed above)"
-            )
-        return info
+        return folders
     chosen = [f for f in folders if f.name == f"step-{step:06d}"]
     if not chosen:
         have = ", ".join(str(int(f.name.removeprefix("step-"))) for f in reversed(folders))
@@ -152,7 +200,17 @@ def find_checkpoint(run_dir: Path, step: int | None) -> CheckpointInfo:
             f"--step {step}: {str(where)!r} holds no checkpoint of step {step}; it holds "
             f"step(s) {have}"
         )
-    return Checkpointer(where).inspect(chosen[0])
+    return chosen
+
+
+def _pruned(folder: Path) -> CheckpointError:
+    error = CheckpointError(
+        f"the checkpoint {folder} was pruned while export read it (a trainer still writing "
+        "the run keeps only its newest --keep-checkpoints): export again, pass --step with "
+        "a step the run still holds, or wait until the run ends"
+    )
+    error.filename = str(folder)  # the run changed under the export, no mistake: status 1
+    return error
 
 
 def run_settings(info: CheckpointInfo, run_dir: Path) -> TrainConfig:
@@ -189,6 +247,13 @@ def _check_kind(cfg: TrainConfig, info: CheckpointInfo, merge_lora: bool) -> Non
         raise ConfigError(
             f"--merge-lora: the run of {info.path} trained the whole model (no --lora), so "
             "there are no adapters to merge; drop --merge-lora"
+        )
+    base = Path(cfg.model[len(HF_PREFIX) :]).expanduser()
+    if cfg.lora and not base.is_dir():  # else the adapter alone looks trained on a random base
+        raise ConfigError(
+            f"the base folder {str(base)!r} of the LoRA run of {info.path} is missing (moved "
+            "or deleted?): its adapters are exported against the base they were trained on; "
+            "put that folder back at this path and export again"
         )
     if cfg.lora and not merge_lora and not _has_base_weights(cfg):
         raise ConfigError(
@@ -249,9 +314,12 @@ def _write(
         peft_config = model.peft_config["default"]
         peft_config.base_model_name_or_path = str(Path(cfg.model[len(HF_PREFIX) :]).resolve())
         peft_config.inference_mode = True
+    try:
         model.save_pretrained(str(folder))
-    else:
-        model.save_pretrained(str(folder))
+    except Exception as exc:  # safetensors' I/O error names no file: the weights' it is
+        if getattr(exc, "filename", None) is None and "(os error" in str(exc):
+            exc.filename = str(folder / _weights_name(model, kind))
+        raise
     if tokenizer is not None:
         tokenizer.save_pretrained(str(folder))
     _generation_config(base, tokenizer).save_pretrained(str(folder))
@@ -284,6 +352,14 @@ def _no_progress_bars() -> Iterator[None]:
     finally:
         if enabled:
             logging.enable_progress_bar()
+
+
+def _weights_name(model: nn.Module, kind: str) -> str:
+    """The file ``save_pretrained`` writes the weights to (past 50 GB, shards: a pattern)."""
+    if kind == "lora-adapter":
+        return "adapter_model.safetensors"
+    size = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    return "model.safetensors" if size <= 50 * 10**9 else "model-*.safetensors"
 
 
 def _base_model(model: nn.Module) -> Any:

@@ -4,7 +4,9 @@
 folder per checkpoint; ``load_latest(**same_names)`` restores the newest one that verifies.
 ``saved_state(info.manifest, name)`` reads one object's saved state without loading
 anything (e.g. the settings a run is rebuilt from); ``written_by_gradstep(folder)`` tells
-gradstep's checkpoint folders from anyone else's.
+gradstep's checkpoint folders from anyone else's. ``with read_lease(step_folder): ...`` pins
+a checkpoint while another process reads it: a save's pruning skips a leased folder (the
+protocol is in :mod:`.layout`).
 
 Layout of ``directory`` (one writer at a time)::
 
@@ -52,9 +54,10 @@ Why each rule exists:
   onto another base; one saved before fingerprints loads with a warning.
 
 Modules: :mod:`.checkpointer` (save/load orchestration), :mod:`.layout` (the atomic folder
-protocol and the manifest), :mod:`.codec` (strict JSON and safetensors files),
-:mod:`.state` (model and optimizer, file and DCP paths), :mod:`.rng` (RNG state),
-:mod:`.elastic` (the global batch on another number of ranks),
+protocol, the manifest and read leases), :mod:`.lease` (the locks of a lease),
+:mod:`.codec` (strict JSON and safetensors files), :mod:`.state` (model and optimizer, file
+and DCP paths), :mod:`.rng` (RNG state), :mod:`.elastic` (the global batch on another
+number of ranks),
 :mod:`.fingerprint` (the frozen base an adapter-only checkpoint was trained on),
 :mod:`.errors` (:class:`CheckpointError`).
 """
@@ -68,15 +71,17 @@ from .fingerprint import Fingerprint, base_fingerprint
 from .layout import FORMAT as FORMAT
 from .layout import FORMAT_VERSION as FORMAT_VERSION
 from .layout import MANIFEST as MANIFEST
-from .layout import written_by_gradstep
+from .layout import read_lease, written_by_gradstep
 
 __all__ = [
+    "MANIFEST",
     "CheckpointError",
     "CheckpointInfo",
     "Checkpointer",
     "Fingerprint",
     "base_fingerprint",
     "elastic_accum_steps",
+    "read_lease",
     "saved_state",
     "written_by_gradstep",
 ]

@@ -4,19 +4,34 @@ A checkpoint is written into ``.tmp-step-N``, fsynced, given its manifest (writt
 checksummed), renamed to ``step-N`` in one atomic rename, and only then are old ones
 pruned. Everything here works on paths and bytes; what goes into the files is decided
 by :mod:`.checkpointer`.
+
+Read leases: ``with read_lease(step_folder): ...`` pins a published checkpoint while another
+process reads it (``gradstep export`` of a run a trainer is still writing). The lease is a
+shared ``flock`` on the folder's ``manifest.json``; nothing is written, so a read-only run
+folder can be leased too. The pruner takes an exclusive ``flock`` on the same file, without
+waiting, before it renames the folder away: when a reader holds a lease it skips the folder
+(it neither counts towards ``keep`` nor is deleted; a later save prunes it once the lease is
+gone), and a reader that asks while the folder is being renamed away waits for the rename,
+then finds the folder gone (FileNotFoundError) and never reads half of it. The kernel drops
+a lock when its process ends, however it ends (SIGKILL included), so a lease never goes
+stale and never blocks pruning after its reader is gone. Where no lock can be had (Windows,
+a file system without ``flock``) the reader reads unpinned and the pruner prunes as before.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
 import re
 import shutil
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
 
+from . import lease
 from .errors import write_failed
 
 __all__ = [
@@ -32,6 +47,7 @@ __all__ = [
     "_write_manifest",
     "file_sha256",
     "fsync",
+    "read_lease",
     "write_bytes",
     "written_by_gradstep",
 ]
@@ -184,7 +200,8 @@ def _prune(
     Only checkpoints that verify count towards ``keep``, so a corrupted or half-copied
     newer folder can never push a good one out; folders gradstep did not write are left
     alone whatever their name, and so are folders whose name claims another step than their
-    manifest (renamed or copied by hand: unusable, but maybe intact).
+    manifest (renamed or copied by hand: unusable, but maybe intact). A folder a reader
+    holds a :func:`read_lease` on is skipped too: a later save prunes it.
     """
     is_valid = is_valid or (lambda path: _verify(path)[0] is not None)
     kept = {Path(p) for p in protect}
@@ -201,16 +218,49 @@ def _prune(
         if valid_seen < keep and is_valid(path):
             valid_seen += 1
             continue
-        # Named by step (not by folder: a ``.replaced-`` folder would not match _LEFTOVER),
-        # so a kill during the delete leaves something the next save cleans up.
-        target = directory / f".trash-step-{n:06d}"
-        shutil.rmtree(target, ignore_errors=True)
-        os.rename(path, target)
+        with lease.unleased(path / MANIFEST) as free:
+            if not free:  # a reader holds a lease on it: a later save prunes it
+                continue
+            # Named by step (not by folder: a ``.replaced-`` folder would not match
+            # _LEFTOVER), so a kill during the delete leaves something the next save cleans up.
+            target = directory / f".trash-step-{n:06d}"
+            shutil.rmtree(target, ignore_errors=True)
+            os.rename(path, target)
         trash.append(target)
     if trash:
         fsync(directory)
     for target in trash:
         shutil.rmtree(target, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- read leases
+
+
+@contextlib.contextmanager
+def read_lease(folder: str | os.PathLike) -> Iterator[Path]:
+    """Pin the published checkpoint ``folder`` for the block: a save's pruning skips it.
+
+    Raises FileNotFoundError naming the folder when it is gone (pruned since it was listed).
+    A folder without a manifest, or on a file system without locks, is read unpinned. See
+    the module docs for the protocol.
+    """
+    path = Path(folder)
+    try:
+        fd = lease.pin(path / MANIFEST)
+    except FileNotFoundError:
+        if path.is_dir() and not (path / MANIFEST).exists():
+            fd = None  # no manifest: nothing gradstep would load, or prune
+        else:
+            raise FileNotFoundError(
+                errno.ENOENT,
+                "the checkpoint folder is gone (pruned since it was listed?)",
+                str(path),
+            ) from None
+    try:
+        yield path
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def _reject_constant(name: str) -> float:
