@@ -87,7 +87,10 @@ def rank_batches(
     cfg: TrainConfig, source: TextSource, layout: Layout, rank: int, world: int
 ) -> tuple[TrainBatches, list[Batch]]:
     """This rank's resumable training stream and its validation batches."""
-    train_iter = source.train_batches(cfg.seq_len, layout.stream_rows, cfg.seed, rank, world)
+    try:
+        train_iter = source.train_batches(cfg.seq_len, layout.stream_rows, cfg.seed, rank, world)
+    except DataError as exc:  # too few rows: say what the split took away
+        raise DataError(f"{exc}{source.held}") from None
     val = source.validation_batches(
         cfg.seq_len, layout.micro_batch_size, cfg.eval_batches, rank, world
     )

@@ -1,10 +1,11 @@
 """The demo trainer's data: text files and JSONL records, read, split and batched.
 
-``--data`` names text files (a file, a folder searched recursively, or a glob) or JSONL
-files of records (:mod:`.records`); one argument holds one kind. Text is UTF-8 bytes for
-the demo GPT, or the HF model's tokens (:mod:`.tokenized`: documents end with EOS, records
-train on their completion or assistant turns only). Validation is ``--val-data``, or
-``--val-fraction`` of ``--data`` held out: whole files for text, records for JSONL.
+``--data`` names text files (a file, a folder searched recursively, or a glob:
+:mod:`.data_files`) or JSONL files of records (:mod:`.records`); one argument holds one
+kind. Text is UTF-8 bytes for the demo GPT, or the HF model's tokens (:mod:`.tokenized`:
+documents end with EOS, records train on their completion or assistant turns only).
+Validation is ``--val-data``, or ``--val-fraction`` of ``--data`` held out: whole files for
+text, records for JSONL, at least one on each side (:func:`_held_out`).
 
 Design points, each there because the optimizer step depends on it:
 
@@ -23,11 +24,8 @@ Design points, each there because the optimizer step depends on it:
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import math
-import os
-import sysconfig
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +34,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from .data_files import DEFAULT_CORPUS_BYTES, default_corpus_files, text_files, user_files
+from .data_files import path_hash as _path_hash
+from .preflight import note
 from .records import BadRecords, DataError, Encoder, Record, read_jsonl
 from .tokenized import (
     IGNORE_INDEX,
@@ -66,14 +67,6 @@ __all__ = [
     "validation_batches",
 ]
 
-# ~3 MB of stdlib source: enough text that the demo does not memorise it in a few minutes,
-# small enough to load in well under a second.
-DEFAULT_CORPUS_BYTES = 3_000_000
-# Huge files are mostly data tables (pydoc topics, codecs); they would dominate the corpus.
-MAX_DEFAULT_FILE_BYTES = 200_000
-SKIP_DIRS = frozenset(
-    {"test", "tests", "idle_test", "site-packages", "__pycache__", "encodings", "pydoc_data"}
-)
 VAL_BUCKETS = 10  # --val-fraction 0.1: one file in ten (by path hash) is validation
 JSONL = ".jsonl"
 
@@ -93,91 +86,6 @@ class Corpus:
         )
 
 
-def _path_hash(name: str) -> int:
-    """Stable across processes and Python versions (unlike ``hash``)."""
-    return int.from_bytes(hashlib.sha1(name.encode("utf-8")).digest()[:8], "big")
-
-
-def default_corpus_files(max_bytes: int = DEFAULT_CORPUS_BYTES) -> tuple[Path, list[Path]]:
-    """Pick the stdlib ``.py`` files of the default corpus; return ``(root, sorted files)``.
-
-    Files are taken in order of a hash of their relative path (seed-independent, so every
-    run on a machine uses the same corpus) until ``max_bytes`` is reached. Hash order rather
-    than alphabetical order spreads the selection over the whole library.
-    """
-    root = Path(sysconfig.get_paths()["stdlib"])
-    candidates = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        # Prune in place so os.walk never descends into tests or site-packages.
-        dirnames[:] = [d for d in dirnames if d not in SKIP_DIRS and not d.startswith("config-")]
-        for filename in filenames:
-            if not filename.endswith(".py") or filename.startswith("test_"):
-                continue
-            path = Path(dirpath, filename)
-            size = path.stat().st_size
-            if 0 < size <= MAX_DEFAULT_FILE_BYTES:
-                rel = path.relative_to(root).as_posix()
-                candidates.append((_path_hash(rel), rel, path, size))
-    chosen, total = [], 0
-    for _, _, path, size in sorted(candidates):
-        if total + size > max_bytes:
-            continue
-        chosen.append(path)
-        total += size
-    return root, sorted(chosen, key=lambda p: p.relative_to(root).as_posix())
-
-
-def _read_text_file(path: Path, flag: str = "--data") -> bytes | str:
-    """The bytes of a UTF-8 text file, or why it is skipped: "binary", "not UTF-8", "empty"."""
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise DataError(f"{flag}: cannot read {str(path)!r}: {exc.strerror or exc}") from None
-    if not data:
-        return "empty"
-    if b"\x00" in data:  # NUL anywhere: binary, not text to train on
-        return "binary (NUL bytes)"
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError:
-        return "not UTF-8 text"
-    return data
-
-
-def _none_usable(source: str, skipped: dict[str, list[str]], flag: str = "--data") -> DataError:
-    """The error for data with no usable file: why each kind of file was skipped."""
-    if not skipped:
-        return DataError(f"{flag} {source!r}: no files found (hidden ones are skipped)")
-    reasons = "; ".join(
-        f"{len(names)} files are {why}, e.g. {names[0]!r}"
-        if len(names) > 1
-        else f"{names[0]!r} is {why}"
-        for why, names in skipped.items()
-    )
-    return DataError(
-        f"{flag} {source!r}: no non-empty UTF-8 text files found ({reasons}); give text files"
-    )
-
-
-def _user_files(spec: str, flag: str = "--data") -> tuple[Path, list[Path]]:
-    """Resolve ``--data``: a file, a folder (recursive, hidden entries skipped) or a glob."""
-    if not Path(spec).exists() and any(ch in spec for ch in "*?["):
-        paths = sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file())
-        root = Path(os.path.commonpath([str(p.parent) for p in paths])) if paths else Path(".")
-    elif Path(spec).is_dir():
-        root = Path(spec)
-        paths = sorted(
-            p
-            for p in root.rglob("*")
-            if p.is_file() and not any(s.startswith(".") for s in p.relative_to(root).parts)
-        )
-    elif Path(spec).is_file():
-        root, paths = Path(spec).parent, [Path(spec)]
-    else:
-        raise DataError(f"{flag} {spec!r}: no such file or folder")
-    return root, paths
-
-
 def _unit(key: str) -> float:
     """A stable pseudo-random number in [0, 1) for ``key``: below ``fraction`` is validation.
 
@@ -190,13 +98,20 @@ def _unit(key: str) -> float:
 
 
 def _held_out(keys: Sequence[str], fraction: float) -> list[bool]:
-    """Which items are validation: ``fraction`` of them by hash of their key; when that picks
-    none (or all), the one with the smallest hash alone."""
-    is_val = [_unit(k) < fraction for k in keys]
-    if not any(is_val) or all(is_val):
-        smallest = min(range(len(keys)), key=lambda i: _path_hash(keys[i]))
-        is_val = [i == smallest for i in range(len(keys))]
-    return is_val
+    """Which items are validation (docs/demo.md, ``--val-fraction``): every distinct key
+    whose :func:`_unit` is below ``fraction``, so copies stay together and an item's side
+    never depends on the others. Each side keeps at least one key: when none falls below,
+    the key of smallest hash is held out (as it always was); when all do, the key of
+    largest unit (the one the fraction holds out last) trains. Needs two distinct keys."""
+    units = {key: _unit(key) for key in keys}
+    if len(units) < 2:
+        raise ValueError(f"two distinct keys are needed to split, got {len(units)}")
+    held = {key for key, unit in units.items() if unit < fraction}
+    if not held:
+        held = {min(units, key=_path_hash)}
+    elif len(held) == len(units):
+        held.discard(max(units, key=units.__getitem__))
+    return [key in held for key in keys]
 
 
 def _split_by_file(
@@ -216,23 +131,6 @@ def _split_by_file(
     return train, val
 
 
-def _text_files(
-    root: Path, paths: Sequence[Path], source: str, flag: str = "--data"
-) -> list[Document]:
-    """The usable text files among ``paths``; none usable is an error saying why."""
-    docs, skipped = [], {}
-    for path in paths:
-        content = _read_text_file(path, flag)
-        name = path.relative_to(root).as_posix()
-        if isinstance(content, str):
-            skipped.setdefault(content, []).append(name)
-        else:
-            docs.append(Document(name, content))
-    if not docs:
-        raise _none_usable(source, skipped, flag)
-    return docs
-
-
 def load_corpus(data: str | None = None, max_bytes: int = DEFAULT_CORPUS_BYTES) -> Corpus:
     """Load the default stdlib corpus (``data=None``) or the user's text files, split by file.
 
@@ -242,9 +140,9 @@ def load_corpus(data: str | None = None, max_bytes: int = DEFAULT_CORPUS_BYTES) 
         root, paths = default_corpus_files(max_bytes)
         source = f"stdlib {root}"
     else:
-        root, paths = _user_files(data)
+        root, paths = user_files(data)
         source = data
-    train, val = _split_by_file(_text_files(root, paths, source))
+    train, val = _split_by_file(text_files(root, paths, source))
     return Corpus(train=train, val=val, source=source)
 
 
@@ -275,8 +173,8 @@ def _read(spec: str | None, flag: str, skip_bad: bool) -> _Read:
     """Read the text files or JSONL files ``spec`` names (None: the default corpus)."""
     if spec is None:
         root, paths = default_corpus_files()
-        return _Read(f"stdlib {root}", _text_files(root, paths, f"stdlib {root}"), [], BadRecords())
-    root, paths = _user_files(spec, flag)
+        return _Read(f"stdlib {root}", text_files(root, paths, f"stdlib {root}"), [], BadRecords())
+    root, paths = user_files(spec, flag)
     jsonl = [p for p in paths if p.name.endswith(JSONL)]
     if jsonl and len(jsonl) < len(paths):
         other = next(p for p in paths if not p.name.endswith(JSONL))
@@ -287,7 +185,7 @@ def _read(spec: str | None, flag: str, skip_bad: bool) -> _Read:
             f"you mean, e.g. with a glob ('{Path(folder) / '**' / '*.jsonl'}')"
         )
     if not jsonl:
-        return _Read(spec, _text_files(root, paths, spec, flag), [], BadRecords())
+        return _Read(spec, text_files(root, paths, spec, flag), [], BadRecords())
     bad, records = BadRecords(), []
     for path in jsonl:
         name = path.relative_to(root).as_posix() if len(paths) > 1 else str(path)
@@ -300,17 +198,49 @@ def _read(spec: str | None, flag: str, skip_bad: bool) -> _Read:
     return _Read(spec, [], records, bad)
 
 
+def _too_few(read: _Read, fraction: float) -> DataError:
+    """The refusal for records that cannot go to both sides of the split."""
+    n = len(read.records)
+    held = f"{plural_records(n)}" if n == 1 else f"{plural_records(n)}, all copies of one"
+    if read.bad.count:
+        held += f" ({read.bad.count} more skipped as bad)"
+    return DataError(
+        f"--data {read.source!r} holds {held}: too few to split, since --val-fraction "
+        f"{fraction:g} holds at least 1 record out for validation and at least 1 other must "
+        "be left to train on (copies of a record stay on one side); give validation data "
+        "with --val-data PATH (then nothing of --data is held out), or more records"
+    )
+
+
 def _split(read: _Read, fraction: float) -> tuple[_Read, _Read]:
     """Hold out ``fraction`` of ``read`` for validation: whole files, or records."""
     if read.docs:
         train, val = _split_by_file(read.docs, fraction)
         return _Read(read.source, train, [], read.bad), _Read(read.source, val, [], BadRecords())
+    if len({r.line for r in read.records}) < 2:
+        raise _too_few(read, fraction)
     is_val = _held_out([r.line for r in read.records], fraction)
     sides: tuple[list[Record], list[Record]] = ([], [])
     for record, held in zip(read.records, is_val, strict=True):
         sides[held].append(record)
     return _Read(read.source, [], sides[0], read.bad), _Read(
         read.source, [], sides[1], BadRecords()
+    )
+
+
+def _held(train: _Read, val: _Read, fraction: float) -> str:
+    """What ``--val-fraction`` moved to validation, for an error about the training side."""
+    if val.records:
+        n, total = len(val.records), len(val.records) + len(train.records)
+        what = f"{n:,} of the {total:,} records"
+    elif len(val.docs) == 1 and val.docs[0].name.endswith("#val"):
+        n, total = len(val.docs[0].data), len(val.docs[0].data) + len(train.docs[0].data)
+        what = f"the last {n:,} of its {total:,} bytes"
+    else:
+        what = f"{len(val.docs)} of the {len(val.docs) + len(train.docs)} files"
+    return (
+        f"; --val-fraction {fraction:g} held {what} out for validation: give more data, a "
+        "smaller --val-fraction, or validation data with --val-data PATH"
     )
 
 
@@ -324,8 +254,9 @@ def _encode(read: _Read, encoder: Encoder, flag: str, skip_bad: bool) -> Side:
     return Side(data, 0, out.kinds, out.no_target)
 
 
-def _check_fits(side: Side, what: str, seq_len: int) -> None:
-    """A side with no row at ``seq_len`` is an error saying why (not an empty stream)."""
+def _check_fits(side: Side, what: str, seq_len: int, held: str = "") -> None:
+    """A side with no row at ``seq_len`` is an error saying why (not an empty stream).
+    ``held``: what the split moved to the other side, said unless the fix is --seq-len."""
     if len(side.data.spans(seq_len, None, 1.0)):
         return
     _, too_long = side.data.fit(seq_len)
@@ -340,7 +271,7 @@ def _check_fits(side: Side, what: str, seq_len: int) -> None:
     empty = not side.data.n_documents and not side.data.n_records
     short = "its text is under 2 tokens: no micro-batches can be made; use more data"
     why = "; ".join(reasons) or ("no record is left" if empty else short)
-    raise DataError(f"{what}: no sequence to use ({why})")
+    raise DataError(f"{what}: no sequence to use ({why}){'' if too_long else held}")
 
 
 def _check_template(read: _Read, encoder: Encoder, flag: str) -> None:
@@ -350,23 +281,64 @@ def _check_template(read: _Read, encoder: Encoder, flag: str) -> None:
         encoder.check_template(f"{flag} {chat.where}")
 
 
+def _overlap(train: _Read, val: _Read) -> str | None:
+    """A note when ``--val-data`` repeats ``--data``: its loss would not be held out."""
+    if val.records:
+        seen, keys, unit = {r.line for r in train.records}, [r.line for r in val.records], "record"
+    else:
+        digest = lambda doc: hashlib.blake2b(doc.data, digest_size=16).digest()  # noqa: E731
+        seen, keys, unit = {digest(d) for d in train.docs}, [digest(d) for d in val.docs], "file"
+    shared = sum(key in seen for key in keys)
+    if not shared:
+        return None
+    if shared == len(keys):
+        which = f"every --val-data {unit} is"
+    else:
+        which = f"{shared:,} of the {len(keys):,} --val-data {unit}s are"
+    return (
+        f"note: {which} also in --data: the validation loss is measured on training data "
+        "there and will not show overfitting; give held-out data as --val-data, or leave "
+        "it out (--val-fraction then holds part of --data out)"
+    )
+
+
+def _bytes_why(cfg: Any) -> str | None:
+    """Why the data is bytes, for a refusal of chat records (None: the demo GPT)."""
+    if not getattr(cfg, "is_hf", False):
+        return None
+    return (
+        f"model {cfg.model!r} has no tokenizer (no tokenizer files in its folder, no "
+        "--tokenizer), so the data is read as bytes: pass --tokenizer PATH (a tokenizer "
+        "folder with a chat template), or give text or prompt/completion records"
+    )
+
+
 def load_source(cfg: Any, tokenizer: Any = None) -> TextSource:
     """The data ``cfg`` names (``--data``, ``--val-data`` or ``--val-fraction`` held out),
     read as bytes for the demo GPT (``tokenizer`` None) or tokenized with the HF model's
     tokenizer. Bad input raises :class:`DataError` naming the flag, file and line."""
-    skip, encoder = cfg.skip_bad_records, Encoder(tokenizer)
+    skip, encoder = cfg.skip_bad_records, Encoder(tokenizer, _bytes_why(cfg))
     train = _read(cfg.data, "--data", skip)
     _check_template(train, encoder, "--data")
+    held = ""
     if cfg.val_data is None:
         train, val = _split(train, cfg.val_fraction)
+        held = _held(train, val, cfg.val_fraction)
     else:
         val = _read(cfg.val_data, "--val-data", skip)
         _check_template(val, encoder, "--val-data")
+        overlap = _overlap(train, val)
+        if overlap is not None:
+            note(overlap)
     val_flag = "--val-data" if cfg.val_data else "--data"
     sides = _encode(train, encoder, "--data", skip), _encode(val, encoder, val_flag, skip)
     bad = BadRecords(train.bad.count + val.bad.count, [*train.bad.examples, *val.bad.examples])
-    source = TextSource(*sides, train.source, cfg.val_data, cfg.seq_len, encoder.unit, bad)
-    _check_fits(source.train, f"--data {train.source!r}", cfg.seq_len)
+    source = TextSource(*sides, train.source, cfg.val_data, cfg.seq_len, encoder.unit, bad, held)
+    _check_fits(source.train, f"--data {train.source!r}", cfg.seq_len, held)
+    if cfg.val_data is not None:
+        _check_fits(source.val, f"--val-data {val.source!r}", cfg.seq_len)
+        return source
     held_out = f"the --val-fraction {cfg.val_fraction} of --data {train.source!r} held out"
-    _check_fits(source.val, f"--val-data {val.source!r}" if cfg.val_data else held_out, cfg.seq_len)
+    more = "; give validation data with --val-data PATH, or more data"
+    _check_fits(source.val, held_out, cfg.seq_len, more)
     return source

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import pickle
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,7 +55,29 @@ def build_model(cfg: TrainConfig) -> nn.Module:
         return model
     from .hf_lora import add_lora  # it reads this module's notes: imported when used
 
-    return add_lora(model, cfg)
+    model = add_lora(model, cfg)
+    _rank_note(model, cfg.lora)
+    return model
+
+
+def _rank_note(model: nn.Module, rank: int) -> None:
+    """A note when ``--lora`` exceeds every adapted layer's rank: the update B @ A of an
+    (out x in) layer has rank at most min(out, in), so the extra rank only adds parameters."""
+    from peft.tuners.lora import LoraLayer
+
+    sizes = [
+        min(module.in_features, module.out_features)
+        for module in model.modules()
+        if isinstance(module, LoraLayer)
+        and isinstance(getattr(module, "in_features", None), int)
+        and isinstance(getattr(module, "out_features", None), int)
+    ]
+    if sizes and rank > max(sizes):
+        note(
+            f"note: --lora {rank} is above the rank of every adapted layer (at most "
+            f"{max(sizes)}, the smaller of a layer's input and output sizes): the adapters "
+            f"learn no update that --lora {max(sizes)} could not, and hold more parameters"
+        )
 
 
 def gpt_config(cfg: TrainConfig) -> GPTConfig:
@@ -124,13 +147,12 @@ def _from_pretrained(cfg: TrainConfig, path: Path, config: Any, dtype: torch.dty
                 config=config,  # ours: router loss and use_cache already set
                 dtype=dtype,
                 local_files_only=True,
+                trust_remote_code=False,
                 output_loading_info=True,
                 ignore_mismatched_sizes=True,  # reported below, with the folder's name
             )
     except (*unreadable, pickle.UnpicklingError) as exc:
-        raise ConfigError(
-            f"model {cfg.model!r}: cannot load the weights in {path} ({exc})"
-        ) from None
+        raise _unloadable(cfg, path, exc) from None
     problems = {
         "missing from the files": sorted(info.get("missing_keys", ())),
         "in the files but not in the model": sorted(info.get("unexpected_keys", ())),
@@ -146,6 +168,22 @@ def _from_pretrained(cfg: TrainConfig, path: Path, config: Any, dtype: torch.dty
             "pass --init random to start from random weights"
         )
     return model
+
+
+def _unloadable(cfg: TrainConfig, path: Path, exc: BaseException) -> ConfigError:
+    """Why DIR's weights did not load. torch's own refusal of a pickle that names code
+    advises loading it with weights_only=False, which would run that code: said here
+    instead is what the file refers to and how to get weights that load."""
+    text = str(exc)
+    if "Weights only load failed" not in text:
+        return ConfigError(f"model {cfg.model!r}: cannot load the weights in {path} ({exc})")
+    names = re.findall(r"GLOBAL (\S+)", text)
+    refers = f" (it refers to {names[0]})" if names else ""
+    return ConfigError(
+        f"model {cfg.model!r}: the weights in {path} are a pickle that holds more than "
+        f"tensors{refers}; it was not loaded and nothing in it was run. Load only weights "
+        "you trust, saved as safetensors (save_pretrained writes model.safetensors)"
+    )
 
 
 @contextlib.contextmanager
@@ -186,8 +224,18 @@ def _read_config(cfg: TrainConfig) -> Any:
             f"holding one (save_pretrained){hint}; nothing is ever downloaded"
         )
     try:
-        return transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+        # trust_remote_code=False: a folder's own code is never run, and transformers never
+        # asks (on a terminal it would ask whether to run it).
+        return transformers.AutoConfig.from_pretrained(
+            str(path), local_files_only=True, trust_remote_code=False
+        )
     except (OSError, ValueError, KeyError) as exc:
+        if "trust_remote_code" in str(exc):
+            raise ConfigError(
+                f"model {cfg.model!r}: its config.json needs the Python code in {path} (an "
+                "auto_map for a model type transformers does not know); gradstep never runs "
+                "a model folder's code: use a model whose type transformers ships"
+            ) from None
         raise ConfigError(f"model {cfg.model!r}: not a usable HF config ({exc})") from None
 
 
@@ -205,7 +253,7 @@ def hf_config(cfg: TrainConfig) -> Any:
     if cfg.aux_loss_coef is not None:
         if not hasattr(config, "router_aux_loss_coef"):
             raise ConfigError(
-                f"aux_loss_coef: model {cfg.model!r} ({config.model_type}) has no router loss "
+                f"--aux-loss-coef: model {cfg.model!r} ({config.model_type}) has no router loss "
                 "(no router_aux_loss_coef in its config): it is not a mixture of experts"
             )
         config.output_router_logits = True
@@ -269,7 +317,9 @@ def _auto_tokenizer(source: Path, what: str) -> Any:
     try:
         with _quiet_transformers():
             if source.is_dir():
-                tokenizer = AutoTokenizer.from_pretrained(str(source), local_files_only=True)
+                tokenizer = AutoTokenizer.from_pretrained(
+                    str(source), local_files_only=True, trust_remote_code=False
+                )
             else:
                 tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(source))
     except (OSError, ValueError, TypeError, KeyError) as exc:

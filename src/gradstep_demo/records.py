@@ -215,8 +215,12 @@ class Encoded:
 class Encoder:
     """Text and records to token arrays: ``tokenizer``'s ids, or UTF-8 bytes (None)."""
 
-    def __init__(self, tokenizer: Any = None) -> None:
+    def __init__(self, tokenizer: Any = None, bytes_why: str | None = None) -> None:
         self.tokenizer = tokenizer
+        # Why there is no tokenizer, for refusing chat records: the demo GPT by default.
+        self.bytes_why = (
+            bytes_why or "the demo GPT reads bytes: give text or prompt/completion records"
+        )
         self.eos = None if tokenizer is None else getattr(tokenizer, "eos_token_id", None)
         self.unit = "bytes" if tokenizer is None else "tokens"
         self.dtype: type = np.uint8 if tokenizer is None else np.int32
@@ -264,8 +268,7 @@ class Encoder:
         if self.tokenizer is None:
             raise TemplateError(
                 f'{where}: {{"messages"}} records need a tokenizer with a chat template '
-                "(--model hf:DIR); the demo GPT reads bytes: give text or prompt/completion "
-                "records"
+                f"(--model hf:DIR); {self.bytes_why}"
             )
         template = getattr(self.tokenizer, "chat_template", None)
         if isinstance(template, dict):
@@ -322,7 +325,7 @@ class Encoder:
             except TemplateError:
                 raise
             except Exception as exc:  # the template refused this conversation (jinja2 errors)
-                reason = f"the chat template refused it ({type(exc).__name__}: {exc})"
+                reason = _refused(exc, where, getattr(self.tokenizer, "name_or_path", ""))
                 if not skip_bad:
                     raise DataError(
                         f"{where}: {reason}; fix the record, or pass --skip-bad-records to "
@@ -338,6 +341,30 @@ class Encoder:
             kept.append(records[i].kind)
         out.kinds = {kind: kept.count(kind) for kind in KINDS if kind in kept}
         return out
+
+
+def _refused(exc: Exception, where: str, tokenizer: str) -> str:
+    """Why the chat template did not render a record: the record's fault (the reason), or
+    the template's (raised: no record can be skipped for it).
+
+    ``raise_exception('...')`` raises a plain jinja2 ``TemplateError``: the template's own
+    check refusing this record. A sandbox ``SecurityError`` or a syntax error comes from the
+    template whatever the record holds."""
+    from jinja2 import exceptions as jinja  # there whenever a tokenizer renders templates
+
+    template = "the tokenizer's chat template"
+    if tokenizer:
+        template = f"the chat template of the tokenizer in {tokenizer!r}"
+    name, said = type(exc).__name__, str(exc).rstrip(".")
+    if isinstance(exc, (jinja.SecurityError, jinja.TemplateSyntaxError)):
+        raise TemplateError(
+            f"{where}: {template} is at fault, not the record: rendering raised {name}: "
+            f"{said}. Fix the template (chat_template.jinja, or chat_template in "
+            "tokenizer_config.json) or use another tokenizer (--tokenizer PATH)"
+        ) from None
+    if type(exc) is jinja.TemplateError:
+        return f"the chat template refused it ({name}: {exc})"
+    return f"{template} failed on it ({name}: {exc})"
 
 
 @dataclass

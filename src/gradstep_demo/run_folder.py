@@ -2,12 +2,14 @@
 
 - A folder that holds a run (its config, metrics, summary or checkpoints) is only trained
   into again with ``--resume`` / ``--resume-or-start`` (continue it) or ``--overwrite``
-  (delete that run's files first): two runs never mix in one folder.
+  (delete that run's files first; a symbolic link among them is refused before anything is
+  deleted): two runs never mix in one folder.
 - A run folder never lies inside another run's folder or a checkpoints folder, and a run
   resumed from another folder's checkpoint trains into an empty folder: a folder holding
   another run is never written to.
 - One trainer at a time: rank 0 holds an exclusive ``flock`` on ``OUT/.gradstep.lock`` for
-  the whole run; the kernel releases it when the process ends, however it ends.
+  the whole run; the kernel releases it when the process ends, however it ends
+  (:mod:`gradstep_demo.run_lock`).
 - ``--resume`` that finds no valid checkpoint is an error (``--resume-or-start`` is the
   explicit "continue if there is something to continue"). ``--resume DIR`` accepts a
   checkpoints folder, a run folder (its ``checkpoints/``) or one ``step-N`` folder.
@@ -20,24 +22,18 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import shutil
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from gradstep.checkpoint import Checkpointer, CheckpointInfo, saved_state, written_by_gradstep
+from gradstep.checkpoint import Checkpointer, CheckpointInfo, saved_state
 from gradstep.metrics import FINISHED_FILE
 
 from .config import RESUME_AUTO, TrainConfig
 from .config_checks import GPT_SHAPE, ConfigError, flag
-
-try:
-    import fcntl
-except ImportError:  # pragma: no cover - Windows: no advisory locks, the folder rules stay
-    fcntl = None  # type: ignore[assignment]
+from .run_lock import LOCK_FILE, locked
 
 __all__ = [
     "CONTINUABLE",
@@ -53,7 +49,6 @@ __all__ = [
     "schedule_horizon",
 ]
 
-LOCK_FILE = ".gradstep.lock"
 RUN_FILES = (
     "config.json",
     "metrics.jsonl",
@@ -105,89 +100,6 @@ CHECKED_ON_LOAD = frozenset(
 def holds_run(out: Path) -> bool:
     """True when ``out`` has files of an earlier run."""
     return any((out / name).exists() for name in RUN_FILES)
-
-
-@contextlib.contextmanager
-def locked(out: Path) -> Iterator[Callable[[], None]]:
-    """Create ``out`` and hold its lock for the ``with`` block (rank 0 only).
-
-    Yields ``claim()``, which writes this process's pid into the lock file (what a second
-    trainer's refusal names): called once the run is accepted, so a refused invocation
-    leaves the lock file of a folder holding a run as it was.
-    """
-    _refuse_nested(out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        raise ConfigError(f"--out {str(out)!r} exists and is not a folder") from None
-    except OSError as exc:
-        raise ConfigError(
-            f"--out {str(out)!r}: cannot write the run folder ({exc.strerror or exc})"
-        ) from None
-    lock = out / LOCK_FILE
-    try:
-        handle = open(lock, "a+")  # noqa: SIM115 - held open for the whole run
-    except OSError as exc:
-        raise ConfigError(
-            f"--out {str(out)!r}: cannot open its lock file {str(lock)!r} "
-            f"({exc.strerror or exc}); it only keeps two trainers apart: delete it and retry"
-        ) from None
-    with handle:
-        if fcntl is not None:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                handle.seek(0)
-                holder = handle.read().strip() or "?"
-                raise ConfigError(
-                    f"--out {str(out)!r} is in use by another gradstep train (pid {holder}); "
-                    "wait for it to finish or train into another --out"
-                ) from None
-
-        def claim() -> None:
-            handle.seek(0)
-            handle.truncate()
-            handle.write(f"{os.getpid()}\n")
-            handle.flush()
-
-        yield claim
-
-
-def _has_checkpoints(folder: Path) -> bool:
-    """True when ``folder`` holds gradstep ``step-N`` checkpoint folders."""
-    try:
-        return any(written_by_gradstep(p) for p in Checkpointer(folder).checkpoints())
-    except OSError:
-        return False
-
-
-def _holds_metrics(folder: Path) -> bool:
-    try:
-        return (folder / "metrics.jsonl").is_file()
-    except OSError:
-        return False
-
-
-def _refuse_nested(out: Path) -> None:
-    """``out`` must not be a checkpoints folder, nor lie inside a run folder or a
-    checkpoints folder: training there would change that run's tree. Checked before the
-    folder or its lock file is created."""
-    here = out.resolve()
-    if _has_checkpoints(here):
-        raise ConfigError(
-            f"--out {str(out)!r} holds checkpoints (step-N folders): it is a checkpoints "
-            f"folder, not a run folder; to continue it pass --resume {str(out)!r} with a new "
-            "--out"
-        )
-    for parent in here.parents:
-        # metrics.jsonl marks a run folder; a project folder that merely holds a
-        # checkpoints/ of the library's own use is not one (its runs/ stays usable).
-        if _holds_metrics(parent) or _has_checkpoints(parent):
-            raise ConfigError(
-                f"--out {str(out)!r} lies inside {str(parent)!r}, which holds a run or "
-                "checkpoints; a run folder never goes inside another: choose an --out "
-                "outside it"
-            )
 
 
 def find_checkpoint(cfg: TrainConfig) -> CheckpointInfo | None:
@@ -247,12 +159,35 @@ def prepare(cfg: TrainConfig, info: CheckpointInfo | None) -> None:
             f"--out {str(out)!r} already holds a run; pass --resume to continue it, "
             "--overwrite to delete it and start over, or choose a new --out"
         )
-    for name in RUN_FILES:
-        path = out / name
-        if path.is_dir():
-            shutil.rmtree(path)
-        elif path.exists():
-            path.unlink()
+    _delete_run(out)
+
+
+def _delete_run(out: Path) -> None:
+    """``--overwrite``: delete the run's entries once every one is known to be deletable. A
+    symbolic link points at something the folder does not own (checkpoints kept on another
+    disk), so one is refused before anything is deleted."""
+    present = [
+        out / name for name in RUN_FILES if (out / name).is_symlink() or (out / name).exists()
+    ]
+    linked = [path for path in present if path.is_symlink()]
+    if linked:
+        links = ", ".join(f"{str(path)!r} (-> {os.readlink(path)!r})" for path in linked)
+        raise ConfigError(
+            f"--overwrite: {links}: a symbolic link; --overwrite deletes only what a run wrote, "
+            "never a link or what it points to, so nothing was deleted. Remove the link (and, "
+            "if you mean to, what it points to) yourself, or choose a new --out"
+        )
+    for path in present:
+        try:
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        except OSError as exc:
+            raise ConfigError(
+                f"--overwrite: cannot delete {str(path)!r} ({exc.strerror or exc}); delete the "
+                f"run in {str(out)!r} yourself, or choose a new --out"
+            ) from None
 
 
 def saved_settings(info: CheckpointInfo) -> dict[str, Any] | None:

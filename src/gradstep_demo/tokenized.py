@@ -212,9 +212,12 @@ class TrainBatches(Iterator[Batch]):
             spans = spans[rng.permutation(len(spans))]
             n = len(spans) // self.micro_batch_size
             if n < self.world_size:
+                rows, smaller = len(spans), " or a smaller --micro-batch-size"
                 raise DataError(
-                    f"training data yields {n} micro-batches of {self.micro_batch_size} per "
-                    f"epoch, fewer than world_size={self.world_size}; use more data"
+                    f"training data yields {plural(rows, 'sequence')} per epoch, {n} "
+                    f"micro-batches of {self.micro_batch_size}: fewer than the "
+                    f"{self.world_size} needed (one per data-parallel rank); use more data"
+                    + (smaller if self.micro_batch_size > 1 else "")
                 )
             self._plan = spans[: n * self.micro_batch_size].reshape(n, self.micro_batch_size, 2)
             self._plan_epoch = epoch
@@ -289,9 +292,13 @@ def validation_batches(
     return [data.batch(g) for g in groups[rank::world_size]]
 
 
-def plural_records(n: int) -> str:
+def plural(n: int, word: str) -> str:
     """``"1 record"``, ``"2 records"``."""
-    return f"{n:,} record" + ("" if n == 1 else "s")
+    return f"{n:,} {word}" + ("" if n == 1 else "s")
+
+
+def plural_records(n: int) -> str:
+    return plural(n, "record")
 
 
 @dataclass(frozen=True)
@@ -330,6 +337,8 @@ class TextSource:
     """"bytes" (the demo GPT) or "tokens"."""
     bad: BadRecords
     """JSONL records skipped with ``--skip-bad-records`` (both arguments)."""
+    held: str = ""
+    """What ``--val-fraction`` held out, appended to a refusal of the training side."""
 
     def counts(self) -> dict[str, Any]:
         """What was read, kept and left out, by number (for summaries and tests)."""
