@@ -46,6 +46,8 @@ INTEGRATION_MODULES = (
     "tests/memory/test_real_oom.py",  # a child process that really runs out of memory
     "tests/demo/test_export.py",  # CLI training runs, then exports
     "tests/demo/test_export_runs.py",
+    "tests/demo/test_export_newest.py",
+    "tests/demo/test_export_failures.py",  # CLI training runs; a child under ulimit -f
     "tests/demo/test_lr_runs.py",
     "tests/demo/test_run_folder.py",  # CLI runs, two trainers on one folder
     "tests/demo/test_settings_run_folders.py",
@@ -55,6 +57,7 @@ INTEGRATION_TESTS = (
     "tests/checkpoint/test_checkpoint.py::test_cli_resume_is_bitwise_identical",
     "tests/checkpoint/test_checkpoint.py::test_sigkill_at_random_moments",
     "tests/checkpoint/test_checkpoint.py::test_sigkill_during_save_leaves_a_loadable_checkpoint",
+    "tests/checkpoint/test_lease.py::test_a_killed_readers_lease_never_blocks_pruning",
     "tests/checkpoint/test_names_and_full_disk.py::"
     "test_a_full_disk_is_one_checkpoint_error_naming_the_file",
     "tests/checkpoint/test_names_and_full_disk.py::"

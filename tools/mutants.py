@@ -1,23 +1,26 @@
 #!/usr/bin/env python3
 """Apply realistic bugs to gradstep one at a time and check that the tests catch each.
 
-Usage: ``python tools/mutants.py [--only ID,ID] [--audit] [--list] [--check]
-[--markers EXPR] [--timeout S]`` (``make mutants``). For every mutation: copy ``src/`` to a
-temporary folder, apply the edit there (the working tree is never touched, so this can run
-beside other work), run the tests that guard that code with the copy first on
+Usage: ``python tools/mutants.py [--only ID,ID] [--audit | --held-out-3] [--list]
+[--check] [--markers EXPR] [--timeout S]`` (``make mutants``). For every mutation: copy
+``src/`` to a temporary folder, apply the edit there (the working tree is never touched, so
+this can run beside other work), run the tests that guard that code with the copy first on
 ``PYTHONPATH`` (spawned ranks and CLI subprocesses inherit it), and call the mutation caught
 when they fail. One line per mutation, then ``N caught, M survived``; the exit status is 1
 when any survived (2 when the tool itself cannot run a mutation).
 
-Two groups. The default run (``make mutants``) is the curated list: the 14 of the test
+Three groups. The default run (``make mutants``) is the curated list: the 14 of the test
 audit (shared/reviews/test-audit.md, M1-M8 and P1-P6) and bugs one could write in the code
 of the later issues (N1-...), each against the test files that guard its code. ``--audit``
 runs instead the 43 of a held-out audit written from the code alone (A1-A43, issue 20 §4),
 each against the whole suite: hours on a small machine, so never part of the default run
 (with ``--markers "not combinations"`` it leaves out the slow all-pairs cover of the demo's
-flags). ``--only ID,ID`` picks mutations of either group by id. A few A mutations are
-re-expressed against later code (the same bug where the text moved or the old text became
-dead or equivalent): their comments say which and how.
+flags). ``--held-out-3`` runs instead the 36 of a third held-out audit, also written from
+the code alone (H1-H36), of the round that added tensor parallel and HSDP meshes, read
+leases, safe DCP reading, the export folder and the run lock: each against the whole suite
+too, so never part of the default run either. ``--only ID,ID`` picks mutations of any group
+by id. A few A mutations are re-expressed against later code (the same bug where the text
+moved or the old text became dead or equivalent): their comments say which and how.
 
 Each edit is an exact substring that must occur exactly once, so a refactor that moves the
 code makes the tool fail loudly instead of testing nothing. ``--check`` only applies every
@@ -63,6 +66,7 @@ PREC = "gradstep/precision.py"
 FSDP = "gradstep/parallel/fsdp2.py"
 LAYOUT = "gradstep/checkpoint/layout.py"
 RUNF = "gradstep_demo/run_folder.py"
+RUNL = "gradstep_demo/run_lock.py"
 DIST = "tests/parallel"
 
 MUTATIONS = [
@@ -293,7 +297,7 @@ MUTATIONS = [
     m(
         "N10",
         "no lock on the run folder",
-        RUNF,
+        RUNL,
         [
             (
                 "                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)\n",
@@ -897,6 +901,446 @@ MUTATIONS = [
         [('    name = "ddp"\n', '    name = "ddp"\n    gradient_layout = "dp_sharded"\n')],
         "tests",
     ),
+    # --- held-out audit 3 (``--held-out-3``): written from the code alone, never from the
+    # tests, against the code of the round that added tensor parallel, HSDP meshes, read
+    # leases, safe DCP reading, the export folder and the run lock; each against the whole
+    # suite (the lead picks narrower selections)
+    m(
+        "H1",
+        "TP norm: a parameter on the dp mesh alone (copied across tp) counts on every tp rank",
+        "gradstep/parallel/tensor_parallel.py",
+        [
+            (
+                "        return first_copy(t) and self._first_on_model_dims",
+                "        return first_copy(t)",
+            )
+        ],
+        "tests",
+    ),
+    m(
+        "H2",
+        "TP norm: the p-th powers are summed over the dp group only, not over the tp peers too",
+        "gradstep/parallel/tensor_parallel.py",
+        [
+            (
+                "return self.agree_sum(mine.reshape(1)",
+                "return self.all_reduce_sum(mine.reshape(1)",
+            )
+        ],
+        "tests",
+    ),
+    m(
+        "H3",
+        "HSDP mesh built (shard, replicate) instead of (replicate=R, shard=W/R)",
+        "gradstep/parallel/layouts.py",
+        [("        shape = (hsdp, world // hsdp)", "        shape = (world // hsdp, hsdp)")],
+        "tests",
+    ),
+    m(
+        "H4",
+        "HSDP: every replica's shards count in the norm (norm_weight always 1)",
+        "gradstep/parallel/fsdp2.py",
+        [
+            (
+                "        self.norm_weight = 1.0 if replica == 0 else 0.0",
+                "        self.norm_weight = 1.0",
+            )
+        ],
+        "tests",
+    ),
+    m(
+        "H5",
+        "count=fn: aux weight N/M divides the global item count by this rank's micro-batches",
+        "gradstep/window.py",
+        [
+            (
+                "    return CountPlan(counts, reduced[0] / reduced[1])",
+                "    return CountPlan(counts, reduced[0] / n)",
+            )
+        ],
+        "tests",
+    ),
+    m(
+        "H6",
+        "aux means divided by this rank's micro-batches, not the window's on every rank",
+        "gradstep/window.py",
+        [
+            (
+                "aux = {name: s / n_sum for name, s in zip(",
+                "aux = {name: s / n for name, s in zip(",
+            )
+        ],
+        "tests",
+    ),
+    m(
+        "H7",
+        "norm in backward: a parameter the last micro-batch did not reach is left out of the "
+        "norm unless nothing at all was recorded",
+        "gradstep/early_norm.py",
+        [
+            (
+                "        missing = len(self.parts) < len(self.params)  # usually none: no loop",
+                "        missing = not self.parts  # usually none: no loop",
+            )
+        ],
+        "tests",
+    ),
+    m(
+        "H8",
+        "norm in backward keeps a parameter's first record, not its last (a gradient final "
+        "twice, e.g. under reentrant checkpointing, counts its partial sum)",
+        "gradstep/early_norm.py",
+        [
+            (
+                "self.parts[self.order[id(param)]] = norm32(grad, self.norm_type)",
+                "self.parts.setdefault(self.order[id(param)], norm32(grad, self.norm_type))",
+            )
+        ],
+        "tests",
+    ),
+    m(
+        "H9",
+        "count=fn's all-reduce trusted to agree window lengths under TP (it spans dp only)",
+        "gradstep/stepper.py",
+        [
+            (
+                "self._agree_first and self._strategy.agree_ranks == self.world_size",
+                "self._agree_first",
+            )
+        ],
+        "tests",
+    ),
+    m(
+        "H10",
+        "on_oom=split: out-of-memory in a one-item micro-batch is not 'stuck': halves on to "
+        "MAX_HALVINGS",
+        "gradstep/oom.py",
+        [
+            (
+                "and self.failed_rows <= 1",
+                "and self.failed_rows < 1",
+            )
+        ],
+        "tests",
+    ),
+    m(
+        "H11",
+        "on_oom=split: a retry halves the window by the running halvings count, not once",
+        "gradstep/oom.py",
+        [
+            (
+                "micro_batches = halve(micro_batches, self.split_fn, 1)",
+                "micro_batches = halve(micro_batches, self.split_fn, self.halvings)",
+            )
+        ],
+        "tests",
+    ),
+    m(
+        "H12",
+        "DDP: the reducer is looked up on the strategy, not the model: a dropped window "
+        "never resets it",
+        "gradstep/parallel/ddp.py",
+        [
+            (
+                '        reducer = getattr(self.model, "reducer", None)',
+                '        reducer = getattr(self, "reducer", None)',
+            )
+        ],
+        "tests",
+    ),
+    m(
+        "H13",
+        "elastic resume counts the checkpoint's world size, not its dp_size (wrong under TP)",
+        "gradstep/checkpoint/checkpointer.py",
+        [
+            (
+                "elastic_accum_steps(int(self.accum_steps), self.dp_size, world_size)",
+                "elastic_accum_steps(int(self.accum_steps), self.world_size, world_size)",
+            )
+        ],
+        "tests",
+    ),
+    m(
+        "H14",
+        "manifest's global_batch multiplies by the world size, not the data-parallel size",
+        "gradstep/checkpoint/checkpointer.py",
+        [
+            (
+                '"global_batch": None if k is None or mbs is None else k * dp * mbs,',
+                '"global_batch": None if k is None or mbs is None else k * world * mbs,',
+            )
+        ],
+        "tests",
+    ),
+    m(
+        "H15",
+        "dp_size read from FSDP2's shard group: an HSDP run records one replica's ranks",
+        "gradstep/checkpoint/elastic.py",
+        [
+            (
+                "    size = world if info is None else int(info.mesh.size())",
+                "    size = world if info is None else int(info.shard_process_group.size())",
+            )
+        ],
+        "tests",
+    ),
+    m(
+        "H16",
+        "pruner: a held lease (BlockingIOError) falls into 'no locks here', so it prunes "
+        "the leased folder",
+        "gradstep/checkpoint/lease.py",
+        [
+            (
+                "            except BlockingIOError:\n                free = False\n"
+                "            except OSError:",
+                "            except OSError:",
+            )
+        ],
+        "tests",
+    ),
+    m(
+        "H17",
+        "reader's lease kept on a manifest renamed away while it waited for a prune",
+        "gradstep/checkpoint/lease.py",
+        [
+            (
+                "            if os.path.samestat(os.fstat(fd), os.stat(manifest)):\n"
+                "                return fd\n",
+                "            return fd\n",
+            )
+        ],
+        "tests",
+    ),
+    m(
+        "H18",
+        "read_lease of a folder pruned since it was listed reads unpinned instead of raising",
+        "gradstep/checkpoint/layout.py",
+        [
+            (
+                "        if path.is_dir() and not (path / MANIFEST).exists():",
+                "        if not (path / MANIFEST).exists():",
+            )
+        ],
+        "tests",
+    ),
+    m(
+        "H19",
+        "DCP metadata unpickler lets through any torch.* global, not only dtypes",
+        "gradstep/checkpoint/safe_dcp.py",
+        [
+            (
+                'if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):\n'
+                "            return getattr(torch, name)",
+                'if module == "torch" or module.startswith("torch."):\n'
+                "            return super().find_class(module, name)",
+            )
+        ],
+        "tests",
+    ),
+    m(
+        "H20",
+        "--val-fraction: 'every key held out' compared with the records, not the distinct "
+        "keys (copies: nothing left to train)",
+        "gradstep_demo/data.py",
+        [("    elif len(held) == len(units):", "    elif len(held) == len(keys):")],
+        "tests",
+    ),
+    m(
+        "H21",
+        "record split's too-few check counts records, not distinct records (copies of one)",
+        "gradstep_demo/data.py",
+        [
+            (
+                "    if len({r.line for r in read.records}) < 2:",
+                "    if len(read.records) < 2:",
+            )
+        ],
+        "tests",
+    ),
+    m(
+        "H22",
+        "data resume subtracts this rank, not the saved rank: every rank resumes on rank 0's "
+        "micro-batch",
+        "gradstep_demo/tokenized.py",
+        [
+            (
+                '        position = int(state["index"]) - int(state.get("rank", 0))',
+                '        position = int(state["index"]) - self.rank',
+            )
+        ],
+        "tests",
+    ),
+    m(
+        "H23",
+        "--tp: data rank is r % N (the tp coordinate), not r // N",
+        "gradstep_demo/parallel_plan.py",
+        [
+            (
+                "    return rank // cfg.tp, world // cfg.tp",
+                "    return rank % cfg.tp, world // cfg.tp",
+            )
+        ],
+        "tests",
+    ),
+    m(
+        "H24",
+        "resume under --tp rescales accum_steps for every launched rank, not the data ranks",
+        "gradstep_demo/resume.py",
+        [
+            (
+                "run_folder.resumed_settings(cfg, info, given, env.world_size // cfg.tp)",
+                "run_folder.resumed_settings(cfg, info, given, env.world_size)",
+            )
+        ],
+        "tests",
+    ),
+    m(
+        "H25",
+        "default corpus stops at the first file that does not fit instead of skipping it",
+        "gradstep_demo/data_files.py",
+        [
+            (
+                "        if total + size > max_bytes:\n            continue",
+                "        if total + size > max_bytes:\n            break",
+            )
+        ],
+        "tests",
+    ),
+    m(
+        "H26",
+        "--data glob keeps every match that is not a folder (a FIFO, a dangling link)",
+        "gradstep_demo/data_files.py",
+        [
+            (
+                "    paths = [p for p in matches if p.is_file()]",
+                "    paths = [p for p in matches if not p.is_dir()]",
+            )
+        ],
+        "tests",
+    ),
+    m(
+        "H27",
+        "a chat template's syntax error is blamed on the record (skippable), not the template",
+        "gradstep_demo/records.py",
+        [
+            (
+                "    if isinstance(exc, (jinja.SecurityError, jinja.TemplateSyntaxError)):",
+                "    if isinstance(exc, jinja.SecurityError):",
+            )
+        ],
+        "tests",
+    ),
+    m(
+        "H28",
+        "export: a listed checkpoint pruned meanwhile is skipped for an older one, not listed "
+        "again",
+        "gradstep_demo/export.py",
+        [
+            (
+                "            except FileNotFoundError:\n                break",
+                "            except FileNotFoundError:\n                continue",
+            )
+        ],
+        "tests",
+    ),
+    m(
+        "H29",
+        "export: the checkpoint's lease ends when it is verified, before the export reads it",
+        "gradstep_demo/export.py",
+        [
+            (
+                "held.enter_context(lease.pop_all())",
+                "pass",
+            )
+        ],
+        "tests",
+    ),
+    m(
+        "H30",
+        "export: another user's live export (PermissionError) counts as dead: its folder is "
+        "removed",
+        "gradstep_demo/export_folder.py",
+        [
+            (
+                "    except PermissionError:  # another user's process\n        return True",
+                "    except PermissionError:  # another user's process\n        return False",
+            )
+        ],
+        "tests",
+    ),
+    m(
+        "H31",
+        "run lock opened with 'w+': a refused second trainer wipes the holder's pid",
+        "gradstep_demo/run_lock.py",
+        [
+            (
+                '        handle = open(lock, "a+")  # noqa: SIM115 - held open for the whole run',
+                '        handle = open(lock, "w+")  # noqa: SIM115 - held open for the whole run',
+            )
+        ],
+        "tests",
+    ),
+    m(
+        "H32",
+        "nested --out refused only inside a parent with metrics AND checkpoints",
+        "gradstep_demo/run_lock.py",
+        [
+            (
+                "        if _holds_metrics(parent) or _has_checkpoints(parent):",
+                "        if _holds_metrics(parent) and _has_checkpoints(parent):",
+            )
+        ],
+        "tests",
+    ),
+    m(
+        "H33",
+        "--overwrite: a dangling symbolic link among the run's files is neither refused nor "
+        "deleted",
+        "gradstep_demo/run_folder.py",
+        [
+            (
+                "if (out / name).is_symlink() or (out / name).exists()",
+                "if (out / name).exists()",
+            )
+        ],
+        "tests",
+    ),
+    m(
+        "H34",
+        "memory model: HSDP shards over every rank, not one replica's W/R",
+        "gradstep/memory/states.py",
+        [
+            (
+                "    return shape, world // (max(tp, own or 1) * hsdp)",
+                "    return shape, world // max(tp, own or 1)",
+            )
+        ],
+        "tests",
+    ),
+    m(
+        "H35",
+        "memory model: row-wise linear biases split over tp like the column-wise ones",
+        "gradstep/memory/shape.py",
+        [
+            (
+                "            out += [(3 * d // t,), (d,), (f // t,), (d,)]",
+                "            out += [(3 * d // t,), (d // t,), (f // t,), (d // t,)]",
+            )
+        ],
+        "tests",
+    ),
+    m(
+        "H36",
+        "memory model: the MLP's activations are not divided over the tp ranks",
+        "gradstep/memory/activations.py",
+        [
+            (
+                "f = shape.ffn // shape.tp  # the MLP's hidden width",
+                "f = shape.ffn  # the MLP's hidden width",
+            )
+        ],
+        "tests",
+    ),
 ]
 
 
@@ -916,6 +1360,8 @@ def apply(mutation: Mutation, src: Path) -> None:
 
 AUDIT_PREFIX = "A"
 """Ids of the held-out audit's mutations (``--audit``)."""
+HELD_OUT_3_PREFIX = "H"
+"""Ids of the third held-out audit's mutations (``--held-out-3``)."""
 
 MARKERS: str | None = None
 """``-m`` expression for every pytest run (``--markers``); None runs every test."""
@@ -952,14 +1398,19 @@ def check_import_path(src: Path) -> None:
 
 
 def _choose(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[Mutation]:
-    """The mutations asked for: ``--only`` ids (either group), else one group."""
+    """The mutations asked for: ``--only`` ids (any group), else one group."""
     if args.only:
         wanted = set(args.only.split(","))
         unknown = wanted - {mu.id for mu in MUTATIONS}
         if unknown:
             parser.error(f"unknown mutation ids: {', '.join(sorted(unknown))}")
         return [mu for mu in MUTATIONS if mu.id in wanted]
-    return [mu for mu in MUTATIONS if mu.id.startswith(AUDIT_PREFIX) == args.audit]
+    if args.audit:
+        return [mu for mu in MUTATIONS if mu.id.startswith(AUDIT_PREFIX)]
+    if args.held_out_3:
+        return [mu for mu in MUTATIONS if mu.id.startswith(HELD_OUT_3_PREFIX)]
+    held_out = (AUDIT_PREFIX, HELD_OUT_3_PREFIX)
+    return [mu for mu in MUTATIONS if not mu.id.startswith(held_out)]
 
 
 def check(chosen: list[Mutation]) -> int:
@@ -982,12 +1433,19 @@ def check(chosen: list[Mutation]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", help="comma-separated mutation ids of either group")
-    parser.add_argument(
+    parser.add_argument("--only", help="comma-separated mutation ids of any group")
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument(
         "--audit",
         action="store_true",
         help="the held-out audit's A1-A43 against the whole suite (hours) instead of the "
         "curated list",
+    )
+    group.add_argument(
+        "--held-out-3",
+        action="store_true",
+        help="the third held-out audit's H1-H36 against the whole suite (hours) instead of "
+        "the curated list",
     )
     parser.add_argument("--list", action="store_true", help="list the mutations and exit")
     parser.add_argument(
