@@ -14,7 +14,7 @@ export OMP_WAIT_POLICY ?= PASSIVE
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[demo,dev,hf]'
+	$(PY) -m pip install -q -e '.[cli,dev,hf]'
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -33,8 +33,8 @@ from typing import Any, ClassVar, TypeVar
 import numpy as np
 import torch
 
-from gradstep_demo.data import IGNORE_INDEX
-from gradstep_demo.data import collate as collate_bytes
+from gradstep_cli.data.sources import IGNORE_INDEX
+from gradstep_cli.data.sources import collate as collate_bytes
 
 # The scripts run as `python bench/x.py` (sys.path[0] = bench/): the repo root makes the test
 # suite's helpers (tests.support) importable, so the benchmarks use them instead of copies.

@@ -45,8 +45,8 @@ from _common import (
     write_outputs,
 )
 from gradstep import GradientNoiseScale, Stepper
-from gradstep_demo.model import GPT, GPTConfig
-from gradstep_demo.train import LMLoss
+from gradstep_cli.models.gpt import GPT, GPTConfig
+from gradstep_cli.train import LMLoss
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
@@ -89,8 +89,8 @@ def _runs(cfg: Config) -> dict[str, dict[str, Any]]:
 
 
 def training(cfg: Config) -> dict[str, dict[str, Any]]:
-    from gradstep_demo.config import TrainConfig
-    from gradstep_demo.train import train
+    from gradstep_cli.config.settings import TrainConfig
+    from gradstep_cli.train import train
 
     results = {}
     for name, settings in _runs(cfg).items():

@@ -25,7 +25,7 @@ import torch
 import gradstep
 from _common import lm_loss
 from gradstep.checkpoint import Checkpointer
-from gradstep_demo.model import GPT, GPTConfig
+from gradstep_cli.models.gpt import GPT, GPTConfig
 
 
 def _setup(d_model: int, n_layer: int) -> dict:

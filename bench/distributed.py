@@ -55,7 +55,7 @@ from _common import (
     write_outputs,
 )
 from gradstep.parallel.instrumentation import count_gradient_comms
-from gradstep_demo.model import GPT, GPTConfig
+from gradstep_cli.models.gpt import GPT, GPTConfig
 
 WORLD = 2
 

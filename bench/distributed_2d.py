@@ -6,7 +6,7 @@
 
 - ``fsdp``: FSDP2 over all 4 ranks (a 1-D mesh);
 - ``hsdp``: HSDP, ``hsdp=2`` (replicate 2 x shard 2);
-- ``fsdp_tp``: FSDP2 + tensor parallel, ``tp=2`` with ``gradstep_demo.parallel_plan.
+- ``fsdp_tp``: FSDP2 + tensor parallel, ``tp=2`` with ``gradstep_cli.models.parallel_plan.
   gpt_tp_plan()`` (dp 2 x tp 2; the tp peers of a data rank read the same micro-batches).
 
 Each data rank steps k micro-batches of random variable-length rows (-100 label padding,
@@ -56,8 +56,8 @@ from _common import (
     ratio_stats,
 )
 from gradstep.memory import current_bytes, peak_bytes, reset_peak
-from gradstep_demo.data import IGNORE_INDEX
-from gradstep_demo.model import GPT, GPTConfig
+from gradstep_cli.data.sources import IGNORE_INDEX
+from gradstep_cli.models.gpt import GPT, GPTConfig
 
 WORLD = 4
 LAYOUTS = ("fsdp", "hsdp", "fsdp_tp")
@@ -106,7 +106,7 @@ class LayoutsConfig(BaseConfig):
 
 
 def build(layout: str, cfg: LayoutsConfig) -> nn.Module:
-    from gradstep_demo.parallel_plan import gpt_tp_plan
+    from gradstep_cli.models.parallel_plan import gpt_tp_plan
 
     torch.manual_seed(cfg.seed)
     kw: dict[str, Any] = {"hsdp": {"hsdp": 2}, "fsdp_tp": {"tp": 2, "tp_plan": gpt_tp_plan()}}

@@ -112,7 +112,7 @@ WORKERS = str(Path(__file__).with_name("finetune_workers.py"))
 
 def _timed_cli(run: Path) -> list[str]:
     """``gradstep train`` through ``finetune_workers.py gradstep``: the CLI's own entry
-    point (``gradstep_demo.cli.main``), with each ``Stepper.step`` also timed in CPU seconds."""
+    point (``gradstep_cli.cli.main``), with each ``Stepper.step`` also timed in CPU seconds."""
     return [sys.executable, WORKERS, "gradstep", str(_cpu_file(run))]
 
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from gradstep_demo.data import load_corpus
+from gradstep_cli.data.sources import load_corpus
 
 IGNORE = -100
 

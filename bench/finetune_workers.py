@@ -1,7 +1,7 @@
 """The two fine-tuning runs of bench/finetune.py, each in a process of its own.
 
 ``python bench/finetune_workers.py gradstep RECORD ARGS...``
-    ``gradstep train ARGS...`` (the CLI's own entry point, ``gradstep_demo.cli.main``), with
+    ``gradstep train ARGS...`` (the CLI's own entry point, ``gradstep_cli.cli.main``), with
     each ``Stepper.step`` also timed in process CPU seconds, written to RECORD (JSON list).
 ``python bench/finetune_workers.py trainer RUN_DIR OUT VARIANT STEPS``
     ``transformers.Trainer`` on the very rows the gradstep run RUN_DIR trained on, in its
@@ -34,7 +34,7 @@ def gradstep_worker(record: Path, argv: list[str]) -> int:
     process CPU time (the interval of its ``step_time_s``) to ``record``: on a shared
     machine wall time mostly measures the load, CPU time the work."""
     import gradstep
-    from gradstep_demo.cli import main as cli_main
+    from gradstep_cli.cli import main as cli_main
 
     cpu: list[float] = []
     step = gradstep.Stepper.step
@@ -58,9 +58,9 @@ def gradstep_worker(record: Path, argv: list[str]) -> int:
 def gradstep_windows(cfg: Any) -> list[list[dict[str, torch.Tensor]]]:
     """The windows ``gradstep train`` with ``cfg`` trains on, in order: its own data stream
     (``load_source`` -> ``train_batches``), built as its ``_setup`` builds it."""
-    from gradstep_demo.batching import layout_for, windows_of
-    from gradstep_demo.data import load_source
-    from gradstep_demo.hf_model import load_tokenizer
+    from gradstep_cli.data.batching import layout_for, windows_of
+    from gradstep_cli.data.sources import load_source
+    from gradstep_cli.models.hf import load_tokenizer
 
     source = load_source(cfg, load_tokenizer(cfg))
     layout = layout_for(cfg, 1)
@@ -180,9 +180,9 @@ def trainer_worker(run_dir: Path, out: Path, variant: str, steps: int = 0) -> No
     from torch.optim.lr_scheduler import LambdaLR
     from transformers import AutoTokenizer, Trainer
 
-    from gradstep_demo.config import TrainConfig
-    from gradstep_demo.schedule import WarmupCosine
-    from gradstep_demo.train import build_optimizer
+    from gradstep_cli.config.settings import TrainConfig
+    from gradstep_cli.run.schedule import WarmupCosine
+    from gradstep_cli.train import build_optimizer
 
     settings = json.loads((run_dir / "config.json").read_text())
     cfg = TrainConfig(**{**settings, **({"max_steps": steps} if steps else {})})

@@ -60,8 +60,8 @@ from _common import (
 )
 from gradstep import memory as gm
 from gradstep.memory import checkpoint_blocks
-from gradstep_demo.estimate import gpt_shape
-from gradstep_demo.model import GPT, GPTConfig
+from gradstep_cli.models.gpt import GPT, GPTConfig
+from gradstep_cli.plan.estimate import gpt_shape
 from memory_held_out import held_out, print_held_out
 
 ROOT = Path(__file__).resolve().parent.parent

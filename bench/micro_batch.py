@@ -50,7 +50,7 @@ from _common import (
     random_rows,
     write_outputs,
 )
-from gradstep_demo.model import GPT, GPTConfig
+from gradstep_cli.models.gpt import GPT, GPTConfig
 from step_overhead import hand_step
 
 

@@ -36,7 +36,7 @@ import torch
 
 from _common import BaseConfig, interleaved_times, machine_info, ratio_stats, run_ranks
 from gradstep.optim import LAMB, LARS, _shards
-from gradstep_demo.model import GPT, GPTConfig
+from gradstep_cli.models.gpt import GPT, GPTConfig
 
 OUT = Path(__file__).resolve().parent / "out"
 
@@ -173,8 +173,8 @@ def fsdp_worker(rank: int, world: int, d_model: int, n_layer: int, timm_src: str
 
 def training(cfg: Config) -> list[dict[str, Any]]:
     """Section 3: the demo at a large batch, one run per optimizer, same seed."""
-    from gradstep_demo.config import TrainConfig
-    from gradstep_demo.train import train
+    from gradstep_cli.config.settings import TrainConfig
+    from gradstep_cli.train import train
 
     rows = []
     for spec in cfg.lrs:

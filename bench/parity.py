@@ -28,7 +28,7 @@ from _common import (
     reference_step,
     rel_err,
 )
-from gradstep_demo.model import GPT, GPTConfig
+from gradstep_cli.models.gpt import GPT, GPTConfig
 
 VOCAB = 256
 

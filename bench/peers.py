@@ -73,8 +73,8 @@ from _common import (
     run_in_subprocess,
 )
 from gradstep.metrics import peak_memory
-from gradstep_demo.data import IGNORE_INDEX, TrainBatches, load_corpus
-from gradstep_demo.model import GPT, GPTConfig
+from gradstep_cli.data.sources import IGNORE_INDEX, TrainBatches, load_corpus
+from gradstep_cli.models.gpt import GPT, GPTConfig
 
 METHODS = ("plain", "gradstep", "accelerate", "fabric")
 DATA = ("text", "random")

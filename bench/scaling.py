@@ -55,8 +55,8 @@ from _common import (
     ratio_stats,
     run_ranks,
 )
-from gradstep_demo.data import IGNORE_INDEX
-from gradstep_demo.model import GPT, GPTConfig
+from gradstep_cli.data.sources import IGNORE_INDEX
+from gradstep_cli.models.gpt import GPT, GPTConfig
 from step_overhead import hand_step, make_optimizer
 
 OUT = Path(__file__).resolve().parent / "out"

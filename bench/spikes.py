@@ -41,10 +41,10 @@ from torch import nn
 import gradstep
 from _common import BaseConfig, lm_loss
 from gradstep.policies import AutoClip, SpikeGuard, ZClip
-from gradstep_demo.config import TrainConfig
-from gradstep_demo.data import Batch, TrainBatches, load_corpus, validation_batches
-from gradstep_demo.model import GPT, GPTConfig
-from gradstep_demo.train import WarmupCosine, build_optimizer, evaluate
+from gradstep_cli.config.settings import TrainConfig
+from gradstep_cli.data.sources import Batch, TrainBatches, load_corpus, validation_batches
+from gradstep_cli.models.gpt import GPT, GPTConfig
+from gradstep_cli.train import WarmupCosine, build_optimizer, evaluate
 
 ROOT = Path(__file__).resolve().parent.parent
 SPIKE_RATIO = 1.5  # a loss spike: loss > 1.5x the rolling median

@@ -52,8 +52,8 @@ from _common import (
     run_in_subprocess,
 )
 from gradstep.metrics import peak_memory
-from gradstep_demo.data import IGNORE_INDEX
-from gradstep_demo.model import GPT, GPTConfig
+from gradstep_cli.data.sources import IGNORE_INDEX
+from gradstep_cli.models.gpt import GPT, GPTConfig
 
 TARGET_RATIO = 1.03
 # Same-math check: fp64 agreement (gradient, loss, norm, parameters) and fp32 gradient.

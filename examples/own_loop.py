@@ -9,8 +9,8 @@ per optimizer step and fixed norm clipping. Run:
 import torch
 
 import gradstep
-from gradstep_demo.data import TrainBatches, load_corpus
-from gradstep_demo.model import GPT, GPTConfig
+from gradstep_cli.data.sources import TrainBatches, load_corpus
+from gradstep_cli.models.gpt import GPT, GPTConfig
 
 torch.manual_seed(0)
 model = GPT(GPTConfig(n_layer=2, d_model=128))

@@ -73,7 +73,7 @@ def _pairs_jsonl(path: Path, tokenizer: object, seq_len: int, limit: int) -> Pat
 @pytest.fixture(scope="module")
 def sft_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 3-step gradstep SFT run (tiny Llama with weights, the tests' tokenizer), saved."""
-    from gradstep_demo.cli import main as cli_main
+    from gradstep_cli.cli import main as cli_main
     from tests.support.hf_assets import load_tokenizer, model_dir
 
     tmp = tmp_path_factory.mktemp("bench-finetune")
@@ -90,7 +90,7 @@ def sft_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _config(run: Path) -> object:
-    from gradstep_demo.config import TrainConfig
+    from gradstep_cli.config.settings import TrainConfig
 
     return TrainConfig(**json.loads((run / "config.json").read_text()))
 
@@ -137,7 +137,7 @@ def test_left_padded_trainer_takes_gradstep_step(sft_run: Path, tmp_path: Path) 
     float32 rounding (relative to the update; the prompt is masked, so the pad before the
     first real token predicts nothing trained); with ``pad-id`` (pad = EOS: the EOS targets
     are dropped) it does not."""
-    from gradstep_demo.cli import main as cli_main
+    from gradstep_cli.cli import main as cli_main
 
     ours = tmp_path / "ours"
     assert cli_main(["export", str(sft_run), "--out", str(ours)]) == 0

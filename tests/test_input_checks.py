@@ -127,7 +127,7 @@ def test_report_counts_only_true_flags(tmp_path):
     """Row 88: "clipped": "false" was counted as a clipped step."""
     import json
 
-    from gradstep.report import write_report
+    from gradstep_cli.report import write_report
 
     rows = [{"step": 1, "loss": 1.0, "clipped": "false", "skipped": "no"}, {"step": 2, "loss": 1.0}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

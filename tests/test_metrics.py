@@ -260,7 +260,7 @@ TINY_TRAIN = dict(
 
 
 def test_tensorboard_flag_parses_as_a_boolean() -> None:
-    from gradstep_demo.cli import build_parser
+    from gradstep_cli.cli import build_parser
 
     parse = build_parser().parse_args
     assert parse(["train", "--tensorboard"]).tensorboard is True
@@ -269,9 +269,9 @@ def test_tensorboard_flag_parses_as_a_boolean() -> None:
 
 
 def test_train_logs_every_step_to_every_sink(tmp_path: Path) -> None:
-    from gradstep_demo.cli import main
-    from gradstep_demo.config import TrainConfig
-    from gradstep_demo.train import train
+    from gradstep_cli.cli import main
+    from gradstep_cli.config.settings import TrainConfig
+    from gradstep_cli.train import train
 
     out = tmp_path / "run"
     seen: list[dict] = []

@@ -222,7 +222,7 @@ def uneven_rank(rank: int, world: int, strategy: str) -> dict:
 
 def _evaluate_split(rank: int, model: nn.Module) -> float:
     """Validation on two ranks: rank 0 runs out of memory above one row, rank 1 never."""
-    from gradstep_demo.evaluation import evaluate
+    from gradstep_cli.run.evaluation import evaluate
 
     batches = _uneven_window(rank, (4, 3), seed=9)
     return evaluate(model, batches, torch.device("cpu"), OOMAbove(1) if rank == 0 else lm_loss)
@@ -271,7 +271,7 @@ def test_ranks_with_different_micro_batch_sizes_end_the_same_way(strategy):
         for key, value in want.items():
             assert rel_err([a[name]["params"][key]], [value]) < 1e-12, (name, key)
     assert a["both split, by different amounts"]["splits"] == 2  # 3 rows -> 2 -> 1
-    from gradstep_demo.evaluation import evaluate
+    from gradstep_cli.run.evaluation import evaluate
 
     every = _uneven_window(0, (4, 3), seed=9) + _uneven_window(1, (4, 3), seed=9)
     want = evaluate(tiny_gpt(torch.float64), every, torch.device("cpu"), lm_loss)
@@ -281,7 +281,7 @@ def test_ranks_with_different_micro_batch_sizes_end_the_same_way(strategy):
 def test_evaluation_splits_a_batch_that_runs_out_of_memory():
     """The final evaluation of a run that recovered in training must not crash at the
     planned size: the batch is halved, and the token-weighted loss stays the unsplit one."""
-    from gradstep_demo.evaluation import evaluate
+    from gradstep_cli.run.evaluation import evaluate
 
     model = tiny_gpt(torch.float64)
     batches = _uneven_window(0, (4, 3, 4), seed=2)

@@ -18,7 +18,8 @@ from matplotlib.lines import Line2D
 
 import gradstep
 from gradstep.metrics import MetricsLogger
-from gradstep.report import (
+from gradstep_cli.cli import main
+from gradstep_cli.report import (
     PLOTS,
     ReportError,
     build_figures,
@@ -26,7 +27,6 @@ from gradstep.report import (
     load_run,
     write_report,
 )
-from gradstep_demo.cli import main
 from tests.support.batches import make_window
 from tests.support.models import TinyLM
 

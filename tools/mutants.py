@@ -65,8 +65,8 @@ STEP = "gradstep/stepper.py"
 PREC = "gradstep/precision.py"
 FSDP = "gradstep/parallel/fsdp2.py"
 LAYOUT = "gradstep/checkpoint/layout.py"
-RUNF = "gradstep_demo/run_folder.py"
-RUNL = "gradstep_demo/run_lock.py"
+RUNF = "gradstep_cli/run/folder.py"
+RUNL = "gradstep_cli/run/lock.py"
 DIST = "tests/parallel"
 
 MUTATIONS = [
@@ -194,7 +194,7 @@ MUTATIONS = [
                 "else cfg.accum_steps",
             )
         ],
-        "tests/checkpoint tests/demo",
+        "tests/checkpoint tests/cli",
     ),
     m(
         "P5",
@@ -292,7 +292,7 @@ MUTATIONS = [
         "a folder holding a run is taken for an empty one",
         RUNF,
         [("return any((out / name).exists() for name in RUN_FILES)", "return False")],
-        "tests/demo/test_run_folder.py",
+        "tests/cli/test_run_folder.py",
     ),
     m(
         "N10",
@@ -304,14 +304,14 @@ MUTATIONS = [
                 "                pass\n",
             )
         ],
-        "tests/demo/test_run_folder.py",
+        "tests/cli/test_run_folder.py",
     ),
     m(
         "N11",
         "resume silently ignores a changed --lr / --clip",
         RUNF,
         [("elif name in given and value != saved[name]:", "elif False:")],
-        "tests/demo/test_run_folder.py",
+        "tests/cli/test_run_folder.py",
     ),
     m(
         "N13",
@@ -335,9 +335,9 @@ MUTATIONS = [
     m(
         "N12",
         "resuming a finished run trains and rewrites its files",
-        "gradstep_demo/train.py",
+        "gradstep_cli/train.py",
         [("        if run.finished(run.start):", "        if False:")],
-        "tests/demo/test_run_folder.py",
+        "tests/cli/test_run_folder.py",
     ),
     m(
         "N15",
@@ -364,14 +364,14 @@ MUTATIONS = [
     m(
         "N18",
         "batch ramp: the LR schedule keyed on optimizer steps, not sequences",
-        "gradstep_demo/schedule.py",
+        "gradstep_cli/run/schedule.py",
         [
             (
                 "            self.trained += micro_batches * self.world",
                 "            self.trained += self.base_micro_batches * self.world",
             )
         ],
-        "tests/demo/test_schedule.py",
+        "tests/cli/test_schedule.py",
     ),
     m(
         "N19",
@@ -701,7 +701,7 @@ MUTATIONS = [
         "A27",
         "demo planning: predictor built without the per-rank batch (no accum steps, no short-last "
         "shape)",
-        "gradstep_demo/planning.py",
+        "gradstep_cli/plan/planning.py",
         [
             (
                 "        per_rank_batch=per_rank,\n        **kwargs,\n    )",
@@ -756,7 +756,7 @@ MUTATIONS = [
     m(
         "A32",
         "schedule: a skipped step advances the LR clock",
-        "gradstep_demo/schedule.py",
+        "gradstep_cli/run/schedule.py",
         [
             (
                 "        if taken:\n            self.trained +=",
@@ -768,7 +768,7 @@ MUTATIONS = [
     m(
         "A33",
         "schedule: LR clock not divided by the world size (micro-batches over all ranks)",
-        "gradstep_demo/schedule.py",
+        "gradstep_cli/run/schedule.py",
         [
             (
                 "return self.trained / self.full_step",
@@ -780,7 +780,7 @@ MUTATIONS = [
     m(
         "A34",
         "schedule: warm-up branch includes step == warmup (LR above peak for one step)",
-        "gradstep_demo/schedule.py",
+        "gradstep_cli/run/schedule.py",
         # re-expressed: since the audit the warm-up branch clamps at 1 (min(1.0, ...)), so
         # `<=` alone gives 1.0 at step == warmup in both branches (an equivalent mutant); the
         # same bug, the warm-up formula used at step == warmup, is written out instead.
@@ -796,7 +796,7 @@ MUTATIONS = [
     m(
         "A35",
         "gns batch ramp: doubling not capped at --accum-steps",
-        "gradstep_demo/schedule.py",
+        "gradstep_cli/run/schedule.py",
         [
             (
                 "self.current, self.last_growth = min(self.full, 2 * self.current), step",
@@ -1141,14 +1141,14 @@ MUTATIONS = [
         "H20",
         "--val-fraction: 'every key held out' compared with the records, not the distinct "
         "keys (copies: nothing left to train)",
-        "gradstep_demo/data.py",
+        "gradstep_cli/data/sources.py",
         [("    elif len(held) == len(units):", "    elif len(held) == len(keys):")],
         "tests",
     ),
     m(
         "H21",
         "record split's too-few check counts records, not distinct records (copies of one)",
-        "gradstep_demo/data.py",
+        "gradstep_cli/data/sources.py",
         [
             (
                 "    if len({r.line for r in read.records}) < 2:",
@@ -1161,7 +1161,7 @@ MUTATIONS = [
         "H22",
         "data resume subtracts this rank, not the saved rank: every rank resumes on rank 0's "
         "micro-batch",
-        "gradstep_demo/tokenized.py",
+        "gradstep_cli/data/tokenized.py",
         [
             (
                 '        position = int(state["index"]) - int(state.get("rank", 0))',
@@ -1173,7 +1173,7 @@ MUTATIONS = [
     m(
         "H23",
         "--tp: data rank is r % N (the tp coordinate), not r // N",
-        "gradstep_demo/parallel_plan.py",
+        "gradstep_cli/models/parallel_plan.py",
         [
             (
                 "    return rank // cfg.tp, world // cfg.tp",
@@ -1185,7 +1185,7 @@ MUTATIONS = [
     m(
         "H24",
         "resume under --tp rescales accum_steps for every launched rank, not the data ranks",
-        "gradstep_demo/resume.py",
+        "gradstep_cli/run/resume.py",
         [
             (
                 "run_folder.resumed_settings(cfg, info, given, env.world_size // cfg.tp)",
@@ -1197,7 +1197,7 @@ MUTATIONS = [
     m(
         "H25",
         "default corpus stops at the first file that does not fit instead of skipping it",
-        "gradstep_demo/data_files.py",
+        "gradstep_cli/data/files.py",
         [
             (
                 "        if total + size > max_bytes:\n            continue",
@@ -1209,7 +1209,7 @@ MUTATIONS = [
     m(
         "H26",
         "--data glob keeps every match that is not a folder (a FIFO, a dangling link)",
-        "gradstep_demo/data_files.py",
+        "gradstep_cli/data/files.py",
         [
             (
                 "    paths = [p for p in matches if p.is_file()]",
@@ -1221,7 +1221,7 @@ MUTATIONS = [
     m(
         "H27",
         "a chat template's syntax error is blamed on the record (skippable), not the template",
-        "gradstep_demo/records.py",
+        "gradstep_cli/data/records.py",
         [
             (
                 "    if isinstance(exc, (jinja.SecurityError, jinja.TemplateSyntaxError)):",
@@ -1234,7 +1234,7 @@ MUTATIONS = [
         "H28",
         "export: a listed checkpoint pruned meanwhile is skipped for an older one, not listed "
         "again",
-        "gradstep_demo/export.py",
+        "gradstep_cli/export/run.py",
         [
             (
                 "            except FileNotFoundError:\n                break",
@@ -1246,7 +1246,7 @@ MUTATIONS = [
     m(
         "H29",
         "export: the checkpoint's lease ends when it is verified, before the export reads it",
-        "gradstep_demo/export.py",
+        "gradstep_cli/export/run.py",
         [
             (
                 "held.enter_context(lease.pop_all())",
@@ -1259,7 +1259,7 @@ MUTATIONS = [
         "H30",
         "export: another user's live export (PermissionError) counts as dead: its folder is "
         "removed",
-        "gradstep_demo/export_folder.py",
+        "gradstep_cli/export/folder.py",
         [
             (
                 "    except PermissionError:  # another user's process\n        return True",
@@ -1271,7 +1271,7 @@ MUTATIONS = [
     m(
         "H31",
         "run lock opened with 'w+': a refused second trainer wipes the holder's pid",
-        "gradstep_demo/run_lock.py",
+        "gradstep_cli/run/lock.py",
         [
             (
                 '        handle = open(lock, "a+")  # noqa: SIM115 - held open for the whole run',
@@ -1283,7 +1283,7 @@ MUTATIONS = [
     m(
         "H32",
         "nested --out refused only inside a parent with metrics AND checkpoints",
-        "gradstep_demo/run_lock.py",
+        "gradstep_cli/run/lock.py",
         [
             (
                 "        if _holds_metrics(parent) or _has_checkpoints(parent):",
@@ -1296,7 +1296,7 @@ MUTATIONS = [
         "H33",
         "--overwrite: a dangling symbolic link among the run's files is neither refused nor "
         "deleted",
-        "gradstep_demo/run_folder.py",
+        "gradstep_cli/run/folder.py",
         [
             (
                 "if (out / name).is_symlink() or (out / name).exists()",
@@ -1391,7 +1391,7 @@ def run_tests(tests: tuple[str, ...], src: Path | None) -> tuple[int, float, str
 def check_import_path(src: Path) -> None:
     """The copy, not the editable install, must be what the tests import."""
     env = {**os.environ, "PYTHONPATH": str(src)}
-    probe = "import gradstep, gradstep_demo; print(gradstep.__file__, gradstep_demo.__file__)"
+    probe = "import gradstep, gradstep_cli; print(gradstep.__file__, gradstep_cli.__file__)"
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
     if out.returncode or any(not p.startswith(str(src)) for p in out.stdout.split()):
         raise SystemExit(f"mutants: the copy in {src} is not what Python imports: {out.stdout}")

@@ -18,7 +18,7 @@ The package, one concern per module:
 - :mod:`gradstep.hf`: Hugging Face causal LMs (``causal_lm_loss``), imported on first use;
 - :mod:`gradstep.parallel`: strategies, collectives and setup for DDP / FSDP2;
 - :mod:`gradstep.checkpoint`: atomic, verified, elastic checkpoints;
-- :mod:`gradstep.metrics` and :mod:`gradstep.report`: per-step records, plots.
+- :mod:`gradstep.metrics` and :mod:`gradstep_cli.report`: per-step records, plots.
 """
 
 from . import checkpoint, metrics, optim, parallel, policies

@@ -15,9 +15,9 @@ import numpy as np
 import torch
 
 import gradstep
-from gradstep_demo.data import Document, TrainBatches
-from gradstep_demo.model import GPT, GPTConfig
-from gradstep_demo.train import LMLoss, WarmupCosine
+from gradstep_cli.data.sources import Document, TrainBatches
+from gradstep_cli.models.gpt import GPT, GPTConfig
+from gradstep_cli.train import LMLoss, WarmupCosine
 
 SEQ = 16
 MICRO = 2

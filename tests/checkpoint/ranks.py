@@ -1,7 +1,7 @@
 """Rank functions of the multi-process checkpoint tests, for ``tests.support.multiproc.run_ranks``
 (module-level, so the forkserver's ranks import them by name).
 
-``cli_rank`` runs ``gradstep train`` (``gradstep_demo.cli.main``) on every rank, in the
+``cli_rank`` runs ``gradstep train`` (``gradstep_cli.cli.main``) on every rank, in the
 process group ``run_ranks`` made: what torchrun + ``--strategy ddp`` runs, without paying
 for a launcher and an interpreter per rank. ``rng_*`` train the checkpoint tests' tiny run
 under DDP with dropout on and a different RNG stream on every rank.
@@ -23,7 +23,7 @@ K = 2  # micro-batches per rank per step in the RNG runs
 
 
 def cli_rank(rank: int, world: int, argv: list[str]) -> int:
-    from gradstep_demo.cli import main
+    from gradstep_cli.cli import main
 
     return main(argv)
 

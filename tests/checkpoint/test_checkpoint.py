@@ -29,7 +29,7 @@ from gradstep.checkpoint import (
     CheckpointError,
     elastic_accum_steps,
 )
-from gradstep_demo.train import WarmupCosine
+from gradstep_cli.train import WarmupCosine
 from tests.checkpoint.helpers import (
     LR,
     MAX_STEPS,
@@ -460,7 +460,7 @@ def test_data_position_is_global_across_world_sizes(
     JSON); W' ranks resume with k' = k*W/W'. Interleaved by stride, everything consumed is
     the single-process stream exactly. The corpus is tiny (a few micro-batches per epoch)
     so saves land on and past epoch boundaries."""
-    from gradstep_demo.data import TrainBatches
+    from gradstep_cli.data.sources import TrainBatches
     from tests.checkpoint.helpers import MICRO, SEQ, batch_id, docs
 
     corpus = docs(n=2, size=90)
@@ -510,7 +510,7 @@ def test_elastic_2_1_2_ranks_keeps_the_stream_and_the_state(tmp_path: Path) -> N
     saved state; the micro-batches consumed over the whole run are the uninterrupted
     stream, each exactly once, in the same places; the DCP checkpoint of 2 ranks also loads
     into DDP on 2 ranks and, saved from DDP, into 1 process."""
-    from gradstep_demo.data import TrainBatches
+    from gradstep_cli.data.sources import TrainBatches
     from tests.checkpoint.helpers import (
         MICRO,
         SEQ,
@@ -598,7 +598,7 @@ def test_cli_resume_is_bitwise_identical(tmp_path: Path, monkeypatch: pytest.Mon
     crashes in step 5 (after the step-3 checkpoint and 4 metrics lines); `gradstep train
     --resume` in a fresh process continues it. Metrics lines and the final checkpoint's files
     (parameters, optimizer, RNG: same sha256) equal the uninterrupted run's."""
-    from gradstep_demo.cli import main
+    from gradstep_cli.cli import main
 
     args = [*CLI_TINY, "--data", str(text_corpus(tmp_path / "data"))]
     whole, crashed = tmp_path / "whole", tmp_path / "crashed"
@@ -633,7 +633,7 @@ def test_cli_resume_is_bitwise_identical(tmp_path: Path, monkeypatch: pytest.Mon
 
 
 def test_cli_resume_errors_are_clear(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from gradstep_demo.cli import main
+    from gradstep_cli.cli import main
 
     args = [*CLI_TINY, "--data", str(text_corpus(tmp_path / "data"))]
     assert main(["train", *args, "--out", str(tmp_path / "a"), "--resume", "nope"]) == 2

@@ -1,7 +1,7 @@
 """The manifest's ``dp_size``: the data-parallel ranks (ranks that read different data), the
 world size except under FSDP2 + tensor parallel. The global batch and an elastic resume's
 ``accum_steps`` use it (a (dp=2, tp=2) run resumed on 2 plain ranks keeps its
-accumulation: tests/demo/test_mesh_runs.py runs that end to end); a manifest from before
+accumulation: tests/cli/test_mesh_runs.py runs that end to end); a manifest from before
 the field reads as ``dp_size = world_size``; a malformed one is refused like any field."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 "``--resume`` also loads a checkpoint saved on a different number of ranks ...;
 ``accum_steps`` is then set to keep the global batch, and a line says so").
 
-A 2-rank DDP run of the CLI (``gradstep_demo.cli.main`` on each rank of a ``run_ranks``
+A 2-rank DDP run of the CLI (``gradstep_cli.cli.main`` on each rank of a ``run_ranks``
 process group, what torchrun runs) saves every 2 steps; its step-2 checkpoint is resumed
 in ONE process with the same flags, minus ``--max-steps`` and the strategy.
 """
@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from gradstep.checkpoint import MANIFEST
-from gradstep_demo.cli import main
+from gradstep_cli.cli import main
 from tests.checkpoint.ranks import cli_rank
 from tests.support.batches import text_corpus
 from tests.support.multiproc import run_ranks

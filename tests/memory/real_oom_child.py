@@ -35,7 +35,7 @@ import torch
 import gradstep
 from gradstep.errors import MicroBatchTooLarge
 from gradstep.memory import pin_mmap_threshold
-from gradstep_demo.model import GPT, GPTConfig
+from gradstep_cli.models.gpt import GPT, GPTConfig
 
 ROWS, SEQ = 32, 256
 FRACTIONS = (0.25, 0.5, 0.12, 0.7, 0.06)  # of what the unlimited step needed above VmSize

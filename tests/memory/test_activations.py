@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from gradstep import token_loss
 from gradstep.memory import TransformerShape, estimate_step_memory
 from gradstep.memory.activations import _Bytes, per_token_terms
-from gradstep_demo.estimate import gpt_shape
-from gradstep_demo.model import GPT, GPTConfig
+from gradstep_cli.models.gpt import GPT, GPTConfig
+from gradstep_cli.plan.estimate import gpt_shape
 
 LOSS_SCALAR = 4  # the fp32 loss the forward returns, saved by the sum's backward
 

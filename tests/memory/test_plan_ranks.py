@@ -16,8 +16,8 @@ MiB = 2**20
 
 def plan_on_ranks(rank: int, world: int) -> dict:
     from gradstep.memory import probe
-    from gradstep_demo import planning
-    from gradstep_demo.config import ConfigError, TrainConfig
+    from gradstep_cli.config.settings import ConfigError, TrainConfig
+    from gradstep_cli.plan import planning
 
     cfg = TrainConfig(
         n_layer=1, n_head=2, d_model=16, seq_len=16, micro_batch_size="auto",

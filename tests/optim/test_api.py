@@ -12,7 +12,7 @@ from torch import nn
 import gradstep
 from gradstep import Checkpointer
 from gradstep.optim import LAMB, LARS, param_groups
-from gradstep_demo.cli import main
+from gradstep_cli.cli import main
 from tests.optim import ranks
 from tests.support.batches import text_corpus
 
@@ -134,7 +134,7 @@ def test_demo_trains_with_lamb_and_refuses_another_optimizer_on_resume(
 
 
 def test_demo_rejects_an_unknown_optimizer(capsys: pytest.CaptureFixture[str]) -> None:
-    from gradstep_demo.config import ConfigError, TrainConfig
+    from gradstep_cli.config.settings import ConfigError, TrainConfig
 
     with pytest.raises(ConfigError, match="optimizer must be one of adamw, sgd, lars, lamb"):
         TrainConfig(optimizer="adam")

@@ -11,7 +11,7 @@ already inside that step's collectives:
 - ``exit``: it leaves at once without closing anything (a rank that died; exit status 0,
   so torchrun does not stop the others before they notice).
 
-Everything else is the real CLI (``gradstep_demo.cli.main``).
+Everything else is the real CLI (``gradstep_cli.cli.main``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 import gradstep
-from gradstep_demo.cli import main
+from gradstep_cli.cli import main
 
 
 def _fail(how: str) -> None:

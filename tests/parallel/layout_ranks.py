@@ -3,7 +3,7 @@ tp_plan=...)`` and ``prepare_model(model, "fsdp", hsdp=2)`` build on 4 gloo rank
 by a plain ``Stepper(model, optimizer)``, and what they refuse.
 
 The model is the demo GPT in float64 with the demo's own tensor-parallel plan
-(``gradstep_demo.parallel_plan.gpt_tp_plan``: fused qkv column-wise, whole heads per
+(``gradstep_cli.models.parallel_plan.gpt_tp_plan``: fused qkv column-wise, whole heads per
 rank, attention and MLP projections row-wise), 4 heads so that each tensor-parallel rank
 holds 2 of them.
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from gradstep_demo.model import GPT, GPTConfig
+from gradstep_cli.models.gpt import GPT, GPTConfig
 from tests.parallel.tp_ranks import MAX_NORM, NORM_TYPES, loss_sum, optimizer
 from tests.parallel.tp_ranks import reference as tp_reference
 from tests.support.batches import make_windows
@@ -71,7 +71,7 @@ def _refusals() -> dict[str, str]:
     from torch.distributed.tensor.parallel import ColwiseParallel
 
     from gradstep.parallel import prepare_model
-    from gradstep_demo.parallel_plan import gpt_tp_plan
+    from gradstep_cli.models.parallel_plan import gpt_tp_plan
 
     cases = {
         "tp3": {"tp": 3, "tp_plan": gpt_tp_plan()},
@@ -93,7 +93,7 @@ def _refusals() -> dict[str, str]:
 def layouts_run(rank: int, world: int) -> dict[str, Any]:
     """FSDP2 + TP on (dp=2, tp=2), then HSDP on (replicate=2, shard=2), then refusals."""
     from gradstep.parallel import prepare_model
-    from gradstep_demo.parallel_plan import gpt_tp_plan
+    from gradstep_cli.models.parallel_plan import gpt_tp_plan
 
     tp_model = prepare_model(gpt64(), "fsdp", tp=TP, tp_plan=gpt_tp_plan())
     dp_rank = rank // TP  # the mesh is (dp, tp), row-major

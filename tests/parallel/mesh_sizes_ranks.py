@@ -34,7 +34,7 @@ def data_ranks(layout: dict[str, int], world: int) -> int:
 def mesh_sizes_run(rank: int, world: int) -> dict[str, Any]:
     """Each layout of :func:`layouts`: STEPS steps, every step's stats and parameters."""
     from gradstep.parallel import prepare_model
-    from gradstep_demo.parallel_plan import gpt_tp_plan
+    from gradstep_cli.models.parallel_plan import gpt_tp_plan
 
     out = {}
     for name, layout in layouts(world).items():

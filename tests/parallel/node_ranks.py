@@ -6,7 +6,7 @@ or an error end every launcher *and the workers it started*: torchrun starts eac
 a session of its own, so killing the launcher alone would leave them running).
 
 As a module torchrun runs (``-m tests.parallel.node_ranks train ...``): the real CLI
-(``gradstep_demo.cli.main``), one of whose workers is killed once: the worker of rank
+(``gradstep_cli.cli.main``), one of whose workers is killed once: the worker of rank
 ``GRADSTEP_TEST_KILL_RANK`` SIGKILLs itself as it enters its ``GRADSTEP_TEST_KILL_AT``-th
 optimizer step, unless the file ``GRADSTEP_TEST_KILL_MARK`` exists, which it creates first
 (``"rank step pid"``: the test's proof that the kill happened). The restarted workers find
@@ -186,7 +186,7 @@ def _install_kill(at: int, after: Path, mark: Path) -> None:
 
 
 if __name__ == "__main__":
-    from gradstep_demo.cli import main
+    from gradstep_cli.cli import main
 
     if os.environ.get(KILL_AT) and os.environ["RANK"] == os.environ[KILL_RANK]:
         _install_kill(

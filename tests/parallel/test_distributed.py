@@ -31,7 +31,7 @@ from torch import nn
 
 import gradstep.parallel as gd
 from gradstep.parallel.instrumentation import count_gradient_comms
-from gradstep_demo.data import IGNORE_INDEX
+from gradstep_cli.data.sources import IGNORE_INDEX
 from tests.parallel import scenarios as sc
 from tests.support.asserts import flat_named, rel_err, rel_err_named
 from tests.support.models import TINY_GPT, tiny_gpt

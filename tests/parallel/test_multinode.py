@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import gradstep
 from gradstep.checkpoint import MANIFEST
-from tests.demo.mesh_ranks import cli_runs
+from tests.cli.mesh_ranks import cli_runs
 from tests.parallel import node_ranks
 from tests.parallel.node_ranks import launch_env, run_together, torchrun
 from tests.support.asserts import assert_bitwise_equal
@@ -221,7 +221,7 @@ def test_hsdp_trains_what_plain_fsdp_trains(corpus: Path, tmp_path: Path) -> Non
     float32 rounding: measured 1.4e-8 (loss), 1.5e-7 (grad norm, relative) and 3.1e-8
     (parameters, absolute) over 4 steps.
 
-    Both runs in one 4-rank job (tests/demo/mesh_ranks.py, as torchrun's ranks would run
+    Both runs in one 4-rank job (tests/cli/mesh_ranks.py, as torchrun's ranks would run
     them): the launcher is not what this compares, and a 4-worker torchrun costs 4 imports
     of torch on 2 cores."""
     hsdp, fsdp = tmp_path / "hsdp", tmp_path / "fsdp"

@@ -48,7 +48,7 @@ def test_prepare_model_builds_tp_and_hsdp_layouts_that_train_exactly() -> None:
 def _modelled(**mesh: int) -> int:
     """The parameters per rank ``gradstep.memory`` predicts for the layout (float64)."""
     from gradstep.memory import estimate_step_memory
-    from gradstep_demo.estimate import gpt_shape
+    from gradstep_cli.plan.estimate import gpt_shape
 
     est = estimate_step_memory(
         gpt_shape(lr.GPT4), 1, param_dtype=torch.float64, world_size=WORLD, sharded=True, **mesh

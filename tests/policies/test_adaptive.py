@@ -181,7 +181,7 @@ def test_agc_not_acting_when_all_units_are_within_the_ratio():
 
 
 def test_find_output_layer_cases():
-    from gradstep_demo.model import GPT, GPTConfig
+    from gradstep_cli.models.gpt import GPT, GPTConfig
 
     gpt = GPT(GPTConfig(n_layer=1, n_head=2, d_model=8, max_seq_len=8))
     assert find_output_layer(gpt) == ["embed.weight"]  # lm_head is tied to the embedding
@@ -509,7 +509,7 @@ TINY_TRAIN = [
 
 
 def test_cli_adaptive_clip_and_spike_guard_reach_metrics(tmp_path):
-    from gradstep_demo.cli import main
+    from gradstep_cli.cli import main
 
     out = tmp_path / "run"
     argv = [*TINY_TRAIN, "--max-steps", "3", "--clip", "zclip:2", "--spike-guard"]
@@ -524,8 +524,8 @@ def test_cli_adaptive_clip_and_spike_guard_reach_metrics(tmp_path):
 
 
 def test_cli_agc_excludes_the_output_layer_and_toml_spike_guard(tmp_path):
-    from gradstep_demo.config import resolve
-    from gradstep_demo.model import GPT, GPTConfig
+    from gradstep_cli.config.settings import resolve
+    from gradstep_cli.models.gpt import GPT, GPTConfig
 
     toml = tmp_path / "c.toml"
     toml.write_text('clip = "agc:0.01"\nspike-guard = true\n')
@@ -537,7 +537,7 @@ def test_cli_agc_excludes_the_output_layer_and_toml_spike_guard(tmp_path):
 
 
 def test_cli_rejects_a_bad_clip_spec(capsys):
-    from gradstep_demo.cli import main
+    from gradstep_cli.cli import main
 
     assert main([*TINY_TRAIN, "--clip", "zclip:-1"]) == 2
     err = capsys.readouterr().err

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from gradstep_demo.data import IGNORE_INDEX, PAD_ID
+from gradstep_cli.data.sources import IGNORE_INDEX, PAD_ID
 from tests.support.models import TINY_GPT, VOCAB
 
 Batch = dict[str, torch.Tensor]

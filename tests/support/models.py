@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gradstep_demo.model import GPT, GPTConfig
+from gradstep_cli.models.gpt import GPT, GPTConfig
 
 VOCAB = 11  # TinyLM's
 GPT_VOCAB = 32

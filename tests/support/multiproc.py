@@ -37,8 +37,8 @@ _PRELOAD = [
     "gradstep",
     "gradstep.checkpoint",
     "gradstep.parallel",
-    "gradstep_demo.data",
-    "gradstep_demo.model",
+    "gradstep_cli.data.sources",
+    "gradstep_cli.models.gpt",
     "tests.support.multiproc",
     "tests.support.models",
 ]

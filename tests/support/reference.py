@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import gradstep
-from gradstep_demo.data import IGNORE_INDEX
+from gradstep_cli.data.sources import IGNORE_INDEX
 from tests.support.batches import Batch
 
 

@@ -1,0 +1,162 @@
+"""The line between the library and its demo, in content (docs/demo.md, "The library and
+the demo"): the library imports and runs without the demo's packages, the demo uses only
+the library's public names, and the one library -> demo edge (``python -m gradstep``) says
+what to install when the demo's packages are missing."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+
+import gradstep_cli
+from gradstep_cli.cli import CLI_EXTRA
+from gradstep_cli.config.checks import PRECISIONS
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = Path(gradstep_cli.__file__).parent
+
+# Makes ``import tqdm`` / ``import tomli`` fail as if they were not installed.
+BLOCK = """
+import sys
+
+class _NotInstalled:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in ("tqdm", "tomli"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, _NotInstalled())
+"""
+
+
+def run_python(code: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+
+
+def test_the_cli_extra_is_what_pyproject_declares():
+    """The command line's check and the ``cli`` extra name the same packages."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    reqs = [Requirement(r) for r in extras["optional-dependencies"]["cli"]]
+    assert {r.name for r in reqs if r.marker is None or r.marker.evaluate()} == set(CLI_EXTRA)
+    for name in extras["dependencies"]:
+        assert Requirement(name).name not in {r.name for r in reqs}
+
+
+def test_the_library_imports_every_module_without_the_demo_extra():
+    walk = """
+import pkgutil, sys, gradstep
+names = [m.name for m in pkgutil.walk_packages(gradstep.__path__, "gradstep.")
+         if m.name != "gradstep.__main__"]
+for name in names:
+    __import__(name)
+loaded = [m for m in ("tqdm", "tomli", "gradstep_cli") if m in sys.modules]
+print(len(names), loaded)
+"""
+    done = run_python(BLOCK + walk)
+    assert done.returncode == 0, done.stderr
+    count, loaded = done.stdout.split(maxsplit=1)
+    assert int(count) > 40 and loaded.strip() == "[]", done.stdout
+
+
+@pytest.mark.parametrize("blocked", [True, False])
+def test_python_m_gradstep_without_the_demo_extra_says_what_to_install(blocked):
+    main = 'import runpy, sys; sys.argv = ["gradstep", "train", "--help"]\n'
+    main += 'runpy.run_module("gradstep", run_name="__main__", alter_sys=True)\n'
+    done = run_python((BLOCK if blocked else "") + main)
+    if not blocked:  # installed: the help, as always
+        assert done.returncode == 0 and "--micro-batch-size" in done.stdout, done.stderr
+        return
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.strip() == (
+        "gradstep: the command line needs tqdm, which the library does not: "
+        "pip install 'gradstep[cli]'"
+    )
+
+
+def _library_imports(path: Path) -> list[tuple[int, str, str | None]]:
+    """(line, module, name) of every import of the library in ``path`` (name None for a
+    plain ``import gradstep.x``)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module.partition(".")[0] == "gradstep":
+                found += [(node.lineno, node.module, a.name) for a in node.names]
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, a.name, None) for a in node.names if a.name == "gradstep"]
+            found += [(node.lineno, a.name, None) for a in node.names if "gradstep." in a.name]
+    return found
+
+
+def _public(module_name: str, name: str | None) -> str | None:
+    """Why ``from module_name import name`` is not public API (None: it is)."""
+    parts = module_name.split(".")
+    if any(part.startswith("_") for part in parts):
+        return f"{module_name} is private"
+    if len(parts) > 2:
+        return f"{module_name} is inside {'.'.join(parts[:2])}: import from its __init__"
+    module = importlib.import_module(module_name)
+    if name is None:
+        return None if hasattr(module, "__all__") else f"{module_name} has no __all__"
+    target = getattr(module, name, None)
+    if inspect.ismodule(target) and target.__name__ == f"{module_name}.{name}":
+        return _public(target.__name__, None)
+    if name not in getattr(module, "__all__", ()):
+        return f"{name} is not in {module_name}.__all__"
+    return None
+
+
+def test_the_demo_imports_only_public_library_names():
+    """Public (docs/demo.md): in the ``__all__`` of ``gradstep``, of a subpackage's
+    ``__init__`` or of a top-level module, none named with a leading underscore; a
+    subpackage's own modules are its inside. Imports inside functions count too."""
+    checked, wrong = 0, []
+    for path in sorted(DEMO.rglob("*.py")):
+        for line, module, name in _library_imports(path):
+            checked += 1
+            why = _public(module, name)
+            if why is not None:
+                wrong.append(f"{path.relative_to(DEMO)}:{line}: {why}")
+    assert checked > 40 and not wrong, wrong
+
+
+def test_the_rule_refuses_what_the_demo_used_to_import():
+    assert _public("gradstep._validate", "check_choice") == "gradstep._validate is private"
+    assert _public("gradstep.precision", "PRECISIONS") == (
+        "PRECISIONS is not in gradstep.precision.__all__"
+    )
+    for inside in ("gradstep.checkpoint.codec", "gradstep.memory.plan"):
+        assert _public(inside, "decode") == (
+            f"{inside} is inside {inside.rpartition('.')[0]}: import from its __init__"
+        )
+    assert _public("gradstep.checkpoint", "saved_state") is None
+    assert _public("gradstep.memory", "sweep_widths") is None
+    assert _public("gradstep", "parallel") is None
+    assert _public("gradstep.policies", "base") == (
+        "gradstep.policies.base is inside gradstep.policies: import from its __init__"
+    )
+
+
+def test_the_demos_precisions_are_the_steppers():
+    """The demo lists ``--precision``'s choices itself (the library does not export its
+    table); they must stay the Stepper's."""
+    from gradstep.precision import PRECISIONS as STEPPER_PRECISIONS
+
+    assert set(PRECISIONS) == set(STEPPER_PRECISIONS)
