@@ -39,7 +39,7 @@ import torch
 
 import gradstep
 from _common import BaseConfig, lm_loss, lm_window, machine_info, random_rows, write_outputs
-from gradstep.precision import Precision
+from gradstep.step.precision import Precision
 from gradstep_cli.models.gpt import GPT, GPTConfig
 from step_overhead import hand_step
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import gradstep
-from gradstep.early_norm import EarlyNorm
+from gradstep.step.norm import EarlyNorm
 from tests.support.batches import make_windows
 from tests.support.models import tiny_gpt
 from tests.support.reference import lm_loss

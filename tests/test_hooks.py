@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import gradstep
-from gradstep.hooks import HOOK_POINTS, Hooks
 from gradstep.parallel import LocalStrategy
+from gradstep.step.hooks import HOOK_POINTS, Hooks
 from tests.support.asserts import assert_bitwise_equal, rel_err, snapshot
 from tests.support.batches import collate, make_window
 from tests.support.models import TinyLM

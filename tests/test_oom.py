@@ -15,7 +15,7 @@ from torch import nn
 
 import gradstep
 from gradstep.errors import MicroBatchTooLarge
-from gradstep.oom import split_in_half
+from gradstep.step.oom import split_in_half
 from tests.support.asserts import rel_err
 from tests.support.batches import make_window, make_windows
 from tests.support.models import TinyLM, tiny_gpt
@@ -313,7 +313,7 @@ def test_evaluation_splits_a_batch_that_runs_out_of_memory():
     ],
 )  # fmt: skip
 def test_out_of_memory_is_recognised_as_the_allocators_report_it(exc, oom):
-    from gradstep.oom import is_out_of_memory
+    from gradstep.step.oom import is_out_of_memory
 
     assert is_out_of_memory(exc) is oom
 
@@ -334,7 +334,7 @@ def test_a_memory_error_without_a_message_is_split_too():
 def test_a_one_dnn_kernel_failure_says_the_thread_cannot_compile_any_more():
     """oneDNN (torch 2.13) fails every later compile on a thread where one ran out of
     memory: the error must say the halvings measured that, not the memory left."""
-    from gradstep.oom import too_large_error
+    from gradstep.step.oom import too_large_error
 
     plain = str(too_large_error(3, "RuntimeError: DefaultCPUAllocator: can't allocate memory"))
     assert "after 3 halvings" in plain and "oneDNN" not in plain

@@ -340,7 +340,7 @@ def test_the_pre_scale_travels_in_the_precision_state():
     """fp16's pre-scale of the next window is part of ``Precision.state_dict()``: a round
     trip restores it whatever ``prescale=`` says; a state saved without it (the Stepper used
     to keep it apart) takes the argument; fp32/bf16 keep 1 whatever was saved."""
-    from gradstep.precision import Precision
+    from gradstep.step.precision import Precision
 
     params = list(nn.Linear(3, 2).parameters())
     saved = Precision("fp16", params, None, distributed=False)

@@ -1,4 +1,4 @@
-"""Properties of the window's accounting (:mod:`gradstep.window`): item counts and
+"""Properties of the window's accounting (:mod:`gradstep.step.loop`): item counts and
 auxiliary terms, for every way a user can give them.
 
 - A count mismatch (``step(..., count=fn)`` says one thing, ``LossSum.count`` another) is

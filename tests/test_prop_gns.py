@@ -24,7 +24,7 @@ from torch import nn
 
 import gradstep
 from gradstep import GradientNoiseScale, LossSum, Stepper
-from gradstep.oom import halve, split_in_half
+from gradstep.step.oom import halve, split_in_half
 
 D, H = 5, 4
 SIZES = (3, 6, 2)  # rows of each micro-batch: unequal

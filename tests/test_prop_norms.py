@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import gradstep
-from gradstep.early_norm import EarlyNorm
+from gradstep.step.norm import EarlyNorm
 
 V, D = 7, 5
 EXACT = 1e-12  # float64: only the order of the sums differs

@@ -61,8 +61,8 @@ def m(id: str, what: str, file: str, edits: list[tuple[str, str]], tests: str) -
     return Mutation(id, what, file, tuple(edits), tuple(tests.split()))
 
 
-STEP = "gradstep/stepper.py"
-PREC = "gradstep/precision.py"
+STEP = "gradstep/step/stepper.py"
+PREC = "gradstep/step/precision.py"
 FSDP = "gradstep/parallel/fsdp2.py"
 LAYOUT = "gradstep/checkpoint/layout.py"
 RUNF = "gradstep_cli/run/folder.py"
@@ -112,7 +112,7 @@ MUTATIONS = [
         # re-expressed (issue 22): the norm after backward is now this rank's shard norm,
         # summed over the ranks as a p-th power in the window's collective; the bug is the
         # same: that part taken as the global norm.
-        "gradstep/early_norm.py",
+        "gradstep/step/norm.py",
         [
             (
                 "    return local * strategy.norm_weight, True\n",
@@ -323,7 +323,7 @@ MUTATIONS = [
     m(
         "N14",
         "OOM on one rank: the others do not split (no agreement)",
-        "gradstep/oom.py",
+        "gradstep/step/oom.py",
         [
             (
                 "            failed = bool(self._sum(flag).item() > 0)",
@@ -376,7 +376,7 @@ MUTATIONS = [
     m(
         "N19",
         "aux terms backpropagated without their weight N/M (the window's items per micro-batch)",
-        "gradstep/window.py",
+        "gradstep/step/loop.py",
         [
             (
                 "        return sum(loss.aux[n] for n in names) * self._aux_weight",
@@ -390,7 +390,7 @@ MUTATIONS = [
         "FSDP2 norm in backward: this rank's shards only, not reduced over the shard group",
         # re-expressed (issue 22): the part measured in backward now rides the window's
         # collective (early_norm.local_part says whether it is still to be summed).
-        "gradstep/early_norm.py",
+        "gradstep/step/norm.py",
         [("    return local * strategy.norm_weight, True\n", "    return local, early is None\n")],
         "tests/test_early_norm.py",
     ),
@@ -446,7 +446,7 @@ MUTATIONS = [
         "A4",
         "norm in backward: the FIRST record of a parameter is kept (reentrant checkpointing fires "
         "twice)",
-        "gradstep/early_norm.py",
+        "gradstep/step/norm.py",
         [
             (
                 "self.parts[self.order[id(param)]] = norm32(grad, self.norm_type)",
@@ -467,7 +467,7 @@ MUTATIONS = [
         "A6",
         "norm in backward also used with the fp16 GradScaler (norm of the scaled gradient)",
         # re-expressed (issue 22): the decision is early_norm.decide, taken once.
-        "gradstep/early_norm.py",
+        "gradstep/step/norm.py",
         [
             (
                 "plain = precision.scaler is None and precision.accumulator is None",
@@ -483,7 +483,7 @@ MUTATIONS = [
         # has one item), taken in OOMSplitter.run since issue 22; the bug gives up, agreed
         # over the ranks, as soon as any rank holds only one-item micro-batches, whichever
         # rank ran out.
-        "gradstep/oom.py",
+        "gradstep/step/oom.py",
         [
             (
                 "if self._agreement.stuck() or self.halvings >= MAX_HALVINGS:",
@@ -497,7 +497,7 @@ MUTATIONS = [
     m(
         "A8",
         "tally: a tensor count of 0 is reported as negative (tensor path uses <= 0)",
-        "gradstep/window.py",
+        "gradstep/step/loop.py",
         [("(counts < 0).sum(dtype=f64)", "(counts <= 0).sum(dtype=f64)")],
         "tests",
     ),
@@ -505,7 +505,7 @@ MUTATIONS = [
         "A9",
         "tally: aux names only compared once aux was seen (first micro-batch without aux, later "
         "with, accepted)",
-        "gradstep/window.py",
+        "gradstep/step/loop.py",
         [
             (
                 "if index and names != sorted(self.aux) and self.mixed is None:",
@@ -517,7 +517,7 @@ MUTATIONS = [
     m(
         "A10",
         "tally: integer fast path's local item count not cloned before the in-place all-reduce",
-        "gradstep/window.py",
+        "gradstep/step/loop.py",
         [("return local, local[1:2].clone()", "return local, local[1:2]")],
         "tests",
     ),
@@ -526,7 +526,7 @@ MUTATIONS = [
         "tally: count plan keeps this rank's micro-batch count, not the global one (aux weight x "
         "world)",
         # re-expressed (issue 22): the plan keeps items per micro-batch, not both counts.
-        "gradstep/window.py",
+        "gradstep/step/loop.py",
         [
             (
                 "return CountPlan(counts, reduced[0] / reduced[1])",
@@ -672,7 +672,7 @@ MUTATIONS = [
         # OOMSplitter.run since issue 22), so its text is dead code; the same bug in the
         # verdict: give up (agreed over the ranks) as soon as a rank's window holds any
         # micro-batch of at most one item.
-        "gradstep/oom.py",
+        "gradstep/step/oom.py",
         [
             (
                 "if self._agreement.stuck() or self.halvings >= MAX_HALVINGS:",
@@ -883,7 +883,7 @@ MUTATIONS = [
         "FSDP2 norm in backward: shard norms summed instead of their p-th powers",
         # re-expressed (issue 22): FSDP2's norm part (in backward or after) rides the
         # window's collective as norm**p.
-        "gradstep/window.py",
+        "gradstep/step/loop.py",
         [
             (
                 "local = torch.cat([local, norm.reshape(1).to(local) ** norm_type])",
@@ -951,7 +951,7 @@ MUTATIONS = [
     m(
         "H5",
         "count=fn: aux weight N/M divides the global item count by this rank's micro-batches",
-        "gradstep/window.py",
+        "gradstep/step/loop.py",
         [
             (
                 "    return CountPlan(counts, reduced[0] / reduced[1])",
@@ -963,7 +963,7 @@ MUTATIONS = [
     m(
         "H6",
         "aux means divided by this rank's micro-batches, not the window's on every rank",
-        "gradstep/window.py",
+        "gradstep/step/loop.py",
         [
             (
                 "aux = {name: s / n_sum for name, s in zip(",
@@ -976,7 +976,7 @@ MUTATIONS = [
         "H7",
         "norm in backward: a parameter the last micro-batch did not reach is left out of the "
         "norm unless nothing at all was recorded",
-        "gradstep/early_norm.py",
+        "gradstep/step/norm.py",
         [
             (
                 "        missing = len(self.parts) < len(self.params)  # usually none: no loop",
@@ -989,7 +989,7 @@ MUTATIONS = [
         "H8",
         "norm in backward keeps a parameter's first record, not its last (a gradient final "
         "twice, e.g. under reentrant checkpointing, counts its partial sum)",
-        "gradstep/early_norm.py",
+        "gradstep/step/norm.py",
         [
             (
                 "self.parts[self.order[id(param)]] = norm32(grad, self.norm_type)",
@@ -1001,7 +1001,7 @@ MUTATIONS = [
     m(
         "H9",
         "count=fn's all-reduce trusted to agree window lengths under TP (it spans dp only)",
-        "gradstep/stepper.py",
+        "gradstep/step/stepper.py",
         [
             (
                 "self._agree_first and self._strategy.agree_ranks == self.world_size",
@@ -1014,7 +1014,7 @@ MUTATIONS = [
         "H10",
         "on_oom=split: out-of-memory in a one-item micro-batch is not 'stuck': halves on to "
         "MAX_HALVINGS",
-        "gradstep/oom.py",
+        "gradstep/step/oom.py",
         [
             (
                 "and self.failed_rows <= 1",
@@ -1026,7 +1026,7 @@ MUTATIONS = [
     m(
         "H11",
         "on_oom=split: a retry halves the window by the running halvings count, not once",
-        "gradstep/oom.py",
+        "gradstep/step/oom.py",
         [
             (
                 "micro_batches = halve(micro_batches, self.split_fn, 1)",

@@ -5,15 +5,15 @@ on the global, unscaled norm, in any precision, with every event reported.
 
 The package, one concern per module:
 
-- :mod:`gradstep.stepper`: the step (``Stepper``), what it reports (:mod:`gradstep.stats`:
+- :mod:`gradstep.step.stepper`: the step (``Stepper``), what it reports (:mod:`gradstep.step.stats`:
   ``StepStats``);
-- :mod:`gradstep.window`: windows of micro-batches (``windows``) and their accounting;
-- :mod:`gradstep.oom` and :mod:`gradstep.early_norm`: the step's optional parts (splitting
+- :mod:`gradstep.step.loop`: windows of micro-batches (``windows``) and their accounting;
+- :mod:`gradstep.step.oom` and :mod:`gradstep.step.norm`: the step's optional parts (splitting
   micro-batches on out-of-memory, the gradient norm taken during the last backward);
-- :mod:`gradstep.loss`: ``LossSum`` and ``token_loss``;
-- :mod:`gradstep.precision`: autocast, fp16 loss scaling, fp32 accumulation buffers;
+- :mod:`gradstep.step.loss`: ``LossSum`` and ``token_loss``;
+- :mod:`gradstep.step.precision`: autocast, fp16 loss scaling, fp32 accumulation buffers;
 - :mod:`gradstep.policies`: clip policies and their registry;
-- :mod:`gradstep.hooks`: observers of the step (``Stepper(..., hooks=[...])``);
+- :mod:`gradstep.step.hooks`: observers of the step (``Stepper(..., hooks=[...])``);
 - :mod:`gradstep.gns` and :mod:`gradstep.lr`: the gradient noise scale, LR scaling with the batch;
 - :mod:`gradstep.hf`: Hugging Face causal LMs (``causal_lm_loss``), imported on first use;
 - :mod:`gradstep.parallel`: strategies, collectives and setup for DDP / FSDP2;
@@ -26,8 +26,6 @@ from ._version import __version__
 from .checkpoint import Checkpointer, CheckpointError, CheckpointInfo, elastic_accum_steps
 from .errors import GradstepError, UnsupportedSetup
 from .gns import GradientNoiseScale
-from .hooks import StepHook
-from .loss import LossSum, token_loss
 from .lr import scale_lr
 from .metrics import MetricsLogger
 from .parallel import Strategy
@@ -43,9 +41,11 @@ from .policies import (
     ZClip,
     find_output_layer,
 )
-from .stats import StepStats
-from .stepper import Stepper
-from .window import windows
+from .step.hooks import StepHook
+from .step.loop import windows
+from .step.loss import LossSum, token_loss
+from .step.stats import StepStats
+from .step.stepper import Stepper
 
 __all__ = [
     "AGC",

@@ -25,8 +25,8 @@ from torch import nn
 
 from ._validate import check_number
 from .errors import GradstepError
-from .loss import LossSum, token_loss
 from .parallel import unwrap
+from .step.loss import LossSum, token_loss
 
 __all__ = [
     "FORWARDED_KEYS",

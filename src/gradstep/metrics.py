@@ -26,7 +26,7 @@ from typing import Any, Protocol, TextIO, runtime_checkable
 
 import torch
 
-from .stepper import StepStats
+from .step.stepper import StepStats
 
 __all__ = [
     "FINISHED_FILE",

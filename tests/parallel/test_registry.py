@@ -19,7 +19,7 @@ from torch import nn
 
 import gradstep.parallel as gd
 from gradstep.parallel import setup
-from gradstep.precision import PRECISIONS
+from gradstep.step.precision import PRECISIONS
 
 
 @pytest.fixture

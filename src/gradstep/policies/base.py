@@ -5,7 +5,8 @@ each policy in order what to do. A policy either returns a coefficient (the Step
 it into the single multiply that also normalises the gradient, so a plain ``ClipNorm``
 costs no extra pass over the gradients), edits the gradients in place (``ClipValue``,
 AGC, through ``view.grads()``: the view then measures its norm again itself), or asks to
-skip the whole update (a spike guard). Policies decide; hooks (:mod:`gradstep.hooks`) only observe.
+skip the whole update (a spike guard). Policies decide; hooks
+(:mod:`gradstep.step.hooks`) only observe.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from gradstep import LossSum, parallel, token_loss
-from gradstep.oom import (
+from gradstep.step import (
     MAX_HALVINGS,
     ON_OOM,
     OOMAgreement,

@@ -32,8 +32,8 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from ..parallel import Strategy, window_length_error
 from .loss import LossSum, check_count, check_loss_sum
-from .parallel import Strategy, window_length_error
 
 __all__ = [
     "NULL",
@@ -114,7 +114,7 @@ class Loop:
     model: nn.Module
     loss_fn: Callable[[nn.Module, Any], LossSum]
     precision: Any
-    """The Stepper's :class:`gradstep.precision.Precision` (autocast, backward, buffers)."""
+    """The Stepper's :class:`gradstep.step.precision.Precision` (autocast, backward, buffers)."""
     mean_over_ranks: Callable[[Any], float]
     sync: Callable[[bool], Any] = _none
     """``sync(enabled)``, around a micro-batch's forward and backward (DDP ``no_sync``)."""

@@ -22,8 +22,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from .parallel.base import FinalGrads, Strategy, shard_norm
-from .parallel.dtensor import norm32, to_local
+from ..parallel.base import FinalGrads, Strategy, shard_norm
+from ..parallel.dtensor import norm32, to_local
 
 __all__ = [
     "NORM_IN_BACKWARD_BYTES",

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._handles import removing
-from .errors import MicroBatchTooLarge
+from .._handles import removing
+from ..errors import MicroBatchTooLarge
 
 __all__ = [
     "MAX_HALVINGS",

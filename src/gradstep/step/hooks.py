@@ -46,9 +46,9 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from ._handles import removing
+from .._handles import removing
+from ..policies import GradientView
 from .loss import LossSum
-from .policies import GradientView
 
 # The Stepper passes itself; typed loosely so this module does not import the one that
 # imports it.

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._handles import removing
-from ._validate import check_choice
+from .._handles import removing
+from .._validate import check_choice
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 ACCUM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

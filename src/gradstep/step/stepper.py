@@ -25,17 +25,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _validate, early_norm
-from .early_norm import EarlyNorm
+from .. import _validate
+from ..parallel import Strategy, strategy_for
+from ..policies import ClipNorm, ClipPolicy, GradientView, as_policies
+from ..policies.base import Decision, apply_policies, norm_type_of
+from . import norm as early_norm
 from .hooks import Hooks
+from .loop import Loop, Tally, Window, check_micro_batches, plan_counts, windows
 from .loss import LossSum
+from .norm import EarlyNorm
 from .oom import ON_OOM, OOMSplitter, SplitFn, split_in_half
-from .parallel import Strategy, strategy_for
-from .policies import ClipNorm, ClipPolicy, GradientView, as_policies
-from .policies.base import Decision, apply_policies, norm_type_of
 from .precision import Precision
 from .stats import StepStats, step_stats
-from .window import Loop, Tally, Window, check_micro_batches, plan_counts, windows
 
 __all__ = ["LossFn", "StepStats", "Stepper", "windows"]
 
@@ -56,14 +57,14 @@ class Stepper:
         precision: ``"fp32"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast + GradScaler).
         accum_dtype: dtype gradients accumulate in; None: float32 for bf16/fp16 parameters.
         sync_each_micro_batch: reduce after every micro-batch, not only the last (memory).
-        hooks: observers called at fixed points of every step (:mod:`gradstep.hooks`).
+        hooks: observers called at fixed points of every step (:mod:`gradstep.step.hooks`).
         strategy: a :mod:`gradstep.parallel` strategy; None detects it from the model.
         on_oom: ``"raise"`` (default), or ``"split"``: after out-of-memory in a micro-batch
             (on any rank), drop the window, halve every micro-batch and run it again; later
-            windows start halved; the update is unchanged (:mod:`gradstep.oom`).
-        split_fn: cuts one micro-batch in two (default :func:`gradstep.oom.split_in_half`).
+            windows start halved; the update is unchanged (:mod:`gradstep.step.oom`).
+        split_fn: cuts one micro-batch in two (default :func:`gradstep.step.oom.split_in_half`).
         norm_in_backward: take each gradient's norm as soon as it is final in the last
-            backward (:mod:`gradstep.early_norm`), leaving only the multiply for after it;
+            backward (:mod:`gradstep.step.norm`), leaving only the multiply for after it;
             the same norm to rounding. ``"auto"`` (default): when the gradients hold at
             least 32 MiB and the strategy and precision allow it.
     """

@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .policies.base import Decision
-from .window import Window
+from ..policies.base import Decision
+from .loop import Window
 
 __all__ = ["StepStats", "step_stats"]
 
