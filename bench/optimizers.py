@@ -35,7 +35,8 @@ from typing import Any
 import torch
 
 from _common import BaseConfig, interleaved_times, machine_info, ratio_stats, run_ranks
-from gradstep.optim import LAMB, LARS, _shards
+from gradstep.optim import LAMB, LARS
+from gradstep.parallel import collectives, dtensor
 from gradstep_cli.models.gpt import GPT, GPTConfig
 
 OUT = Path(__file__).resolve().parent / "out"
@@ -119,7 +120,7 @@ def _naive_reduce(values: torch.Tensor, layouts: list) -> torch.Tensor:
     out = values.clone()
     for i, layout in enumerate(layouts):
         for group in layout:
-            out[i : i + 1] = _shards.collectives.all_reduce_sum(out[i : i + 1], group)
+            out[i : i + 1] = collectives.all_reduce_sum(out[i : i + 1], group)
     return out
 
 
@@ -143,9 +144,9 @@ def fsdp_worker(rank: int, world: int, d_model: int, n_layer: int, timm_src: str
             fully_shard(sharded)
             which = "timm" if variant == "timm" else "ours"
             o_ref, o_sh = _make(kind, which, ref, timm), _make(kind, which, sharded, timm)
-            original = _shards.reduce_over_shards
+            original = dtensor.reduce_over_shards
             if variant == "naive":
-                _shards.reduce_over_shards = _naive_reduce
+                dtensor.reduce_over_shards = _naive_reduce
             counts, secs = [], []
             gen = torch.Generator().manual_seed(1)
             for _ in range(5):
@@ -160,7 +161,7 @@ def fsdp_worker(rank: int, world: int, d_model: int, n_layer: int, timm_src: str
                     o_sh.step()
                 secs.append(time.perf_counter() - t0)
                 counts.append(mode.get_total_counts())
-            _shards.reduce_over_shards = original
+            dtensor.reduce_over_shards = original
             diff = max(
                 float((q.full_tensor() - p).detach().norm() / p.detach().norm())
                 for p, q in zip(ref.parameters(), sharded.parameters(), strict=True)

@@ -77,8 +77,8 @@ MUTATIONS = [
         STEP,
         [
             (
-                "grad_divisor / (window.items * self._precision.prescale)",
-                "grad_divisor / (window.micro_batches * self._precision.prescale)",
+                "grad_divisor / (window.items * precision.prescale)",
+                "grad_divisor / (window.micro_batches * precision.prescale)",
             )
         ],
         "tests/test_stepper.py",
@@ -95,13 +95,16 @@ MUTATIONS = [
         "clip before the fp16 unscale",
         STEP,
         [
+            # re-expressed (issue 29): the pending multiply is applied at the end of
+            # apply_policies; the unscale moved after it is the same bug.
             (
-                "        self._precision.unscale(self.optimizer)\n        named_grads",
-                "        named_grads",
+                "        if precision.scaler is not None:\n            precision.unscale(self.optimizer)\n",
+                "",
             ),
             (
-                "        view.materialize()\n",
-                "        view.materialize()\n        self._precision.unscale(self.optimizer)\n",
+                "        decision = apply_policies(self._clip, view)  # the one multiply, unless a skip\n",
+                "        decision = apply_policies(self._clip, view)  # the one multiply, unless a skip\n"
+                "        if precision.scaler is not None:\n            precision.unscale(self.optimizer)\n",
             ),
         ],
         "tests/test_precision.py",
@@ -115,7 +118,7 @@ MUTATIONS = [
         "gradstep/step/norm.py",
         [
             (
-                "    return local * strategy.norm_weight, True\n",
+                "    return local * caps.norm_weight, True\n",
                 "    return local, early is not None\n",
             )
         ],
@@ -127,7 +130,7 @@ MUTATIONS = [
         FSDP,
         [
             (
-                "self.model.set_requires_gradient_sync(enabled)  # type: ignore[operator]",
+                "self.model.set_requires_gradient_sync(is_last)  # type: ignore[operator]",
                 "self.model.set_requires_gradient_sync(False)  # type: ignore[operator]",
             ),
             (
@@ -147,11 +150,13 @@ MUTATIONS = [
     m(
         "M7",
         "checkpoint pruning order reversed",
+        # re-expressed (issue 29): layout's protocol functions are public (_step_dirs ->
+        # step_dirs); the bug is the same.
         LAYOUT,
         [
             (
-                "    for n, path in _step_dirs(directory):\n",
-                "    for n, path in _step_dirs(directory)[::-1]:\n",
+                "    for n, path in step_dirs(directory):\n",
+                "    for n, path in step_dirs(directory)[::-1]:\n",
             )
         ],
         "tests/checkpoint",
@@ -316,7 +321,7 @@ MUTATIONS = [
     m(
         "N13",
         "LARS/LAMB under FSDP2: trust ratios from this shard's norms",
-        "gradstep/optim/_shards.py",
+        "gradstep/parallel/dtensor.py",  # re-expressed (issue 29): moved from optim/_shards.py
         [("            part = collectives.all_reduce_sum(part, group)\n", "            pass\n")],
         "tests/optim",
     ),
@@ -335,8 +340,9 @@ MUTATIONS = [
     m(
         "N12",
         "resuming a finished run trains and rewrites its files",
-        "gradstep_cli/train.py",
-        [("        if run.finished(run.start):", "        if False:")],
+        # re-expressed (issue 29): the finished check moved from train.py into the loop's start.
+        "gradstep_cli/run/loop.py",
+        [("    if run.finished(run.start):", "    if False:")],
         "tests/cli/test_run_folder.py",
     ),
     m(
@@ -351,7 +357,7 @@ MUTATIONS = [
         "noise scale on several ranks: this rank's micro-batch norms only",
         "gradstep/gns.py",
         # re-expressed (issue 23): the sums now run over every rank, copies divided out.
-        [("(strategy.agree_sum(local) / copies).unbind()", "(local / copies).unbind()")],
+        [("(caps.agree_sum(local) / copies).unbind()", "(local / copies).unbind()")],
         "tests/test_gns.py",
     ),
     m(
@@ -371,12 +377,12 @@ MUTATIONS = [
                 "            self.trained += self.base_micro_batches * self.world",
             )
         ],
-        "tests/cli/test_schedule.py",
+        "tests/cli/run/test_schedule.py tests/cli/test_schedule.py",
     ),
     m(
         "N19",
         "aux terms backpropagated without their weight N/M (the window's items per micro-batch)",
-        "gradstep/step/loop.py",
+        "gradstep/step/tally.py",
         [
             (
                 "        return sum(loss.aux[n] for n in names) * self._aux_weight",
@@ -391,7 +397,7 @@ MUTATIONS = [
         # re-expressed (issue 22): the part measured in backward now rides the window's
         # collective (early_norm.local_part says whether it is still to be summed).
         "gradstep/step/norm.py",
-        [("    return local * strategy.norm_weight, True\n", "    return local, early is None\n")],
+        [("    return local * caps.norm_weight, True\n", "    return local, early is None\n")],
         "tests/test_early_norm.py",
     ),
     m(
@@ -497,7 +503,7 @@ MUTATIONS = [
     m(
         "A8",
         "tally: a tensor count of 0 is reported as negative (tensor path uses <= 0)",
-        "gradstep/step/loop.py",
+        "gradstep/step/tally.py",
         [("(counts < 0).sum(dtype=f64)", "(counts <= 0).sum(dtype=f64)")],
         "tests",
     ),
@@ -505,7 +511,7 @@ MUTATIONS = [
         "A9",
         "tally: aux names only compared once aux was seen (first micro-batch without aux, later "
         "with, accepted)",
-        "gradstep/step/loop.py",
+        "gradstep/step/tally.py",
         [
             (
                 "if index and names != sorted(self.aux) and self.mixed is None:",
@@ -517,8 +523,16 @@ MUTATIONS = [
     m(
         "A10",
         "tally: integer fast path's local item count not cloned before the in-place all-reduce",
-        "gradstep/step/loop.py",
-        [("return local, local[1:2].clone()", "return local, local[1:2]")],
+        "gradstep/step/tally.py",
+        # re-expressed (issue 29): the vector is now a concatenation, so no in-place
+        # all-reduce can reach this rank's count; the same bug is reading it from the
+        # reduced vector (every rank's items) instead of this rank's own.
+        [
+            (
+                "got = Slots.of(parts).read(torch.cat([reduced, mine]).tolist())",
+                "got = Slots.of(parts).read(torch.cat([reduced, reduced[1:2]]).tolist())",
+            )
+        ],
         "tests",
     ),
     m(
@@ -526,7 +540,7 @@ MUTATIONS = [
         "tally: count plan keeps this rank's micro-batch count, not the global one (aux weight x "
         "world)",
         # re-expressed (issue 22): the plan keeps items per micro-batch, not both counts.
-        "gradstep/step/loop.py",
+        "gradstep/step/tally.py",
         [
             (
                 "return CountPlan(counts, reduced[0] / reduced[1])",
@@ -883,11 +897,11 @@ MUTATIONS = [
         "FSDP2 norm in backward: shard norms summed instead of their p-th powers",
         # re-expressed (issue 22): FSDP2's norm part (in backward or after) rides the
         # window's collective as norm**p.
-        "gradstep/step/loop.py",
+        "gradstep/step/tally.py",
         [
             (
-                "local = torch.cat([local, norm.reshape(1).to(local) ** norm_type])",
-                "local = torch.cat([local, norm.reshape(1).to(local)])",
+                "            parts[\"norm\"] = norm64**norm_type\n",
+                "            parts[\"norm\"] = norm64\n",
             )
         ],
         "tests",
@@ -951,7 +965,7 @@ MUTATIONS = [
     m(
         "H5",
         "count=fn: aux weight N/M divides the global item count by this rank's micro-batches",
-        "gradstep/step/loop.py",
+        "gradstep/step/tally.py",
         [
             (
                 "    return CountPlan(counts, reduced[0] / reduced[1])",
@@ -963,11 +977,11 @@ MUTATIONS = [
     m(
         "H6",
         "aux means divided by this rank's micro-batches, not the window's on every rank",
-        "gradstep/step/loop.py",
+        "gradstep/step/tally.py",
         [
             (
-                "aux = {name: s / n_sum for name, s in zip(",
-                "aux = {name: s / n for name, s in zip(",
+                "aux = {k: float(s) / n_sum for k, s in zip(",
+                "aux = {k: float(s) / n for k, s in zip(",
             )
         ],
         "tests",
@@ -1004,7 +1018,7 @@ MUTATIONS = [
         "gradstep/step/stepper.py",
         [
             (
-                "self._agree_first and self._strategy.agree_ranks == self.world_size",
+                "self._agree_first and caps.agree_ranks == self.world_size",
                 "self._agree_first",
             )
         ],
@@ -1051,7 +1065,9 @@ MUTATIONS = [
     m(
         "H13",
         "elastic resume counts the checkpoint's world size, not its dp_size (wrong under TP)",
-        "gradstep/checkpoint/checkpointer.py",
+        # re-expressed (issue 29): CheckpointInfo moved from checkpointer.py to info.py; the
+        # text is the same.
+        "gradstep/checkpoint/info.py",
         [
             (
                 "elastic_accum_steps(int(self.accum_steps), self.dp_size, world_size)",
@@ -1185,11 +1201,13 @@ MUTATIONS = [
     m(
         "H24",
         "resume under --tp rescales accum_steps for every launched rank, not the data ranks",
-        "gradstep_cli/run/resume.py",
+        # re-expressed (issue 29): the checks stage (run/start.py) resumes on the Launch's
+        # data ranks, derived once; the bug hands it the launched ranks instead.
+        "gradstep_cli/run/start.py",
         [
             (
-                "run_folder.resumed_settings(cfg, info, given, env.world_size // cfg.tp)",
-                "run_folder.resumed_settings(cfg, info, given, env.world_size)",
+                "run_folder.resumed_settings(cfg, info, given, launch.data_ranks, horizon)",
+                "run_folder.resumed_settings(cfg, info, given, launch.world_size, horizon)",
             )
         ],
         "tests",

@@ -86,9 +86,9 @@ class GradientNoiseScale:
         local = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=dev) for v in sums])
         # Over every rank: the squares count each micro-batch gradient ``copies`` times
         # (see _counted_square), and so do the sizes, which tensor-parallel peers share.
-        strategy = stepper.strategy
-        copies = strategy.agree_ranks // strategy.world_size
-        sq_sum, n_sq_sum, n = (strategy.agree_sum(local) / copies).unbind()
+        caps = stepper.capabilities
+        copies = caps.agree_ranks // stepper.world_size
+        sq_sum, n_sq_sum, n = (caps.agree_sum(local) / copies).unbind()
         window_sq = (n * view.total_norm(2.0)) ** 2  # |s|^2: the window's gradient sum
         denom = n * n - n_sq_sum
         grad_sq = (window_sq - sq_sum) / denom

@@ -4,7 +4,6 @@ and every checksum of the manifest recomputed so that the folder verifies."""
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from gradstep.checkpoint.layout import MANIFEST, _canonical, _file_table
+from gradstep.checkpoint.layout import MANIFEST, file_table, write_manifest
 from gradstep.checkpoint.safe_dcp import read_metadata
 
 
@@ -32,9 +31,8 @@ def reseal(step: Path) -> None:
     """Recompute every file's sha256 and the manifest's own checksum."""
     manifest = json.loads((step / MANIFEST).read_text())
     manifest.pop("checksum")
-    manifest["files"] = _file_table(step)
-    manifest["checksum"] = hashlib.sha256(_canonical(manifest)).hexdigest()
-    (step / MANIFEST).write_text(json.dumps(manifest, sort_keys=True, indent=1) + "\n")
+    manifest["files"] = file_table(step)
+    write_manifest(step, manifest)  # with its checksum over the rest, as gradstep writes it
 
 
 def forge_metadata(step: Path, marker: Path) -> None:

@@ -1,4 +1,5 @@
-"""Shared pieces of tests/checkpoint/test_checkpoint.py: a tiny run and exact comparisons.
+"""Shared pieces of tests/checkpoint/test_checkpoint.py and test_restore.py: a tiny run, exact
+comparisons and :class:`Blob`.
 
 ``build()`` returns every stateful object of a run by the names the Checkpointer gets
 (model, optimizer, scheduler, stepper, data), with dropout on so the RNG state matters,
@@ -239,3 +240,16 @@ def elastic_phase_then_rewrap(rank: int, world: int, directory: str, other: str,
     result["ddp_restored"] = full_state(ddp)
     Checkpointer(other, accum_steps=result["k"]).save(step, **ddp)
     return result
+
+
+class Blob:
+    """An object whose state exercises every encoding the manifest supports."""
+
+    def __init__(self) -> None:
+        self.state: dict[str, Any] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.state = state

@@ -12,7 +12,7 @@ SIGKILLs it at that point ("replace" re-saves step 2 instead), in DIR/POINT. ``r
 forked process saves steps 1, 2, 3, ... in DIR until SIGKILLed at a random instant; after
 each kill this process loads the newest checkpoint, as a resume would. The saving process
 reports through a pipe what it did: ``b<step>`` just before the step's folder is published
-(``layout._publish``, the rename) and ``p<step>`` once ``save`` returned, so each round is
+(``layout.publish``, the rename) and ``p<step>`` once ``save`` returned, so each round is
 ``{"loaded": step loaded, "published": newest step whose save returned, "begun": newest
 step whose publish had begun}``: the claim is that the newest published step loads (or
 the one after it, when the kill came after its rename but before ``save`` returned).
@@ -86,7 +86,7 @@ def install(point: str) -> None:
     if point == "mid_tensor_file":  # model.safetensors half written
         wrap(safetensors.torch, "save_file", after=lambda tensors, path: truncate_and_die(path))
     elif point == "before_manifest":  # every tensor file done, no manifest
-        wrap(layout, "_write_manifest", before=lambda *a, **k: die())
+        wrap(layout, "write_manifest", before=lambda *a, **k: die())
     elif point == "mid_manifest":  # manifest.json half written
         wrap(
             layout,
@@ -100,7 +100,7 @@ def install(point: str) -> None:
             before=lambda src, dst: die() if Path(src).name.startswith(".tmp") else None,
         )
     elif point == "before_prune":  # published, the oldest not yet pruned
-        wrap(layout, "_prune", before=lambda *a, **k: die())
+        wrap(layout, "prune", before=lambda *a, **k: die())
     elif point == "mid_prune":  # the oldest renamed away, half deleted
         wrap(shutil, "rmtree", before=half_delete_and_die)
     else:
@@ -126,7 +126,7 @@ def scenario(directory: str, point: str, ready: int = -1, step: int = 1) -> None
     checkpointer = ckpt.Checkpointer(directory, keep=KEEP)
     if point == "loop":
         # Small writes to a pipe are atomic: a kill never leaves half a report.
-        wrap(layout, "_publish", before=lambda tmp, final: report(ready, "b", final))
+        wrap(layout, "publish", before=lambda tmp, final: report(ready, "b", final))
         while True:
             save(checkpointer, model, counter, step)
             os.write(ready, f"p{step}\n".encode())

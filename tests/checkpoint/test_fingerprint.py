@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gradstep.checkpoint import Checkpointer, CheckpointError, base_fingerprint, fingerprint
-from gradstep.checkpoint.layout import MANIFEST, _write_manifest
+from gradstep.checkpoint.layout import MANIFEST, write_manifest
 from tests.checkpoint.fingerprint_ranks import adapted, adapters, save_and_check
 from tests.support.multiproc import run_ranks
 
@@ -88,7 +88,7 @@ def test_a_checkpoint_from_before_fingerprints_loads_with_a_warning(
     folder = _save(tmp_path, trained)
     raw = json.loads((folder / MANIFEST).read_text())
     del raw["checksum"], raw["objects"]["model"]["base_fingerprint"]
-    _write_manifest(folder, raw)  # what an older gradstep wrote: valid, no fingerprint
+    write_manifest(folder, raw)  # what an older gradstep wrote: valid, no fingerprint
     info = Checkpointer(tmp_path).latest()
     assert info is not None and info.base_fingerprint is None
     fresh = adapted(1)  # unverifiable: even another base loads, as before

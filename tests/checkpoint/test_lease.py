@@ -130,5 +130,5 @@ def test_a_prune_without_readers_is_unchanged(tmp_path: Path) -> None:
     ckpt = Checkpointer(tmp_path, keep=2)
     for step in (1, 2, 3):
         ckpt.save(step, model=_model())
-    layout._prune(tmp_path, 1)
+    layout.prune(tmp_path, 1)
     assert _steps(tmp_path) == ["step-000003"]

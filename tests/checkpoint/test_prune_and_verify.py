@@ -146,9 +146,9 @@ def _fs_calls(hook) -> pytest.MonkeyPatch:  # noqa: ANN001
 
 
 def _prune_crashing_at(crash_at: int, calls: list):  # noqa: ANN202
-    """A ``layout._prune`` that raises _Crash at its ``crash_at``-th filesystem call (and
+    """A ``layout.prune`` that raises _Crash at its ``crash_at``-th filesystem call (and
     counts the calls into ``calls``)."""
-    real_prune = layout._prune
+    real_prune = layout.prune
 
     def hook(real, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
         calls.append(1)
@@ -181,14 +181,14 @@ def test_a_crash_at_any_point_of_a_prune_leaves_the_newest_valid_checkpoint(tmp_
     want = {k: v.clone() for k, v in model.state_dict().items()}
     probe, counted = _saved(tmp_path / "probe", model), []
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(layout, "_prune", _prune_crashing_at(10**9, counted))
+        patch.setattr(layout, "prune", _prune_crashing_at(10**9, counted))
         Checkpointer(probe, keep=2).save(5, model=model)
     n_calls = len(counted)
     assert n_calls >= 7  # two folders pruned: clear, rename, delete each, and one fsync
     for crash_at in range(n_calls):
         root = _saved(tmp_path / f"crash{crash_at}", model)
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(layout, "_prune", _prune_crashing_at(crash_at, []))
+            patch.setattr(layout, "prune", _prune_crashing_at(crash_at, []))
             with pytest.raises(_Crash):
                 Checkpointer(root, keep=2).save(5, model=model)
         info = Checkpointer(root, keep=2).latest()

@@ -204,8 +204,9 @@ def norm_data() -> list:
 
 def l2_norm_run(rank: int) -> dict[str, Any]:
     """One float64 FSDP2 step (no clip): the reported L2 norm, this rank's shard norm,
-    and what ``FSDP2Strategy.total_norm`` itself returns on this rank's gradient shards
-    (normalised by then: the step scales them before the optimizer step)."""
+    and what the step's global norm (:func:`gradstep.step.norm.global_norm`) returns on
+    this rank's gradient shards (normalised by then: the step scales them before the
+    optimizer step)."""
     from torch.distributed.tensor import DTensor
 
     import gradstep
@@ -215,7 +216,10 @@ def l2_norm_run(rank: int) -> dict[str, Any]:
     stepper = gradstep.Stepper(model, adamw(model.parameters()), clip=None)
     stats = stepper.step(norm_data()[0][rank], lm_loss)
     shards = [_local(p.grad) for p in model.parameters()]  # normalised: no clip
-    direct = stepper.strategy.total_norm([p.grad for p in model.parameters()], 2.0)
+    from gradstep.step.norm import global_norm
+
+    grads = [p.grad for p in model.parameters()]
+    direct = global_norm(stepper.strategy, stepper.capabilities, grads, 2.0)
     return {
         "grad_norm": stats.grad_norm,
         "shard_norm": float(torch.linalg.vector_norm(torch.cat([s.flatten() for s in shards]))),

@@ -53,21 +53,25 @@ Why each rule exists:
   frozen weights it was trained on (``objects.<model>.base_fingerprint``) and refuses to load
   onto another base; one saved before fingerprints loads with a warning.
 
-Modules: :mod:`.checkpointer` (save/load orchestration), :mod:`.layout` (the atomic folder
-protocol, the manifest and read leases), :mod:`.lease` (the locks of a lease),
-:mod:`.codec` (strict JSON and safetensors files), :mod:`.state` (model and optimizer, file
-and DCP paths), :mod:`.rng` (RNG state), :mod:`.elastic` (the global batch on another
-number of ranks),
-:mod:`.fingerprint` (the frozen base an adapter-only checkpoint was trained on),
-:mod:`.errors` (:class:`CheckpointError`).
+Modules: :mod:`.checkpointer` (the :class:`Checkpointer`: save and load orchestration),
+:mod:`.info` (:class:`CheckpointInfo`), :mod:`.objects` (which keyword object is the model,
+which the optimizer), :mod:`.restore` (the load path: validate everything, then load),
+:mod:`.layout` (the atomic-file API: the folder protocol, the manifest and read leases),
+:mod:`.lease` (the locks of a lease), :mod:`.codec` (strict JSON and safetensors files),
+:mod:`.state` (model and optimizer, file and DCP paths), :mod:`.safe_dcp` (DCP's pickles
+read as data only), :mod:`.rng` (RNG state), :mod:`.elastic` (the global batch on another
+number of ranks), :mod:`.fingerprint` (the frozen base an adapter-only checkpoint was
+trained on), :mod:`.errors` (:class:`CheckpointError`).
 """
 
 from __future__ import annotations
 
-from .checkpointer import Checkpointer, CheckpointInfo, elastic_accum_steps
+from .checkpointer import Checkpointer
 from .codec import saved_state
+from .elastic import elastic_accum_steps
 from .errors import CheckpointError
 from .fingerprint import Fingerprint, base_fingerprint
+from .info import CheckpointInfo
 from .layout import FORMAT as FORMAT
 from .layout import FORMAT_VERSION as FORMAT_VERSION
 from .layout import MANIFEST as MANIFEST

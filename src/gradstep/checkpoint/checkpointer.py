@@ -1,20 +1,20 @@
-"""Save and load orchestration: :class:`Checkpointer` and what it hands back.
+"""The :class:`Checkpointer`: where checkpoints live, and the order of a save and a load.
 
-Which object goes where (model and optimizer through :mod:`.state`, the rest through
-:mod:`.codec`, RNG through :mod:`.rng`), in which order, and on which rank. The folder
-protocol itself (temporary folder, manifest, rename, prune, verify) is :mod:`.layout`.
+A save puts each object where it goes (model and optimizer through :mod:`.state`, the rest
+through :mod:`.codec`, RNG through :mod:`.rng`), on the right rank and in the protocol's
+order, and fills in the manifest; a load picks the newest checkpoint that verifies (or the
+one given) and hands it to :func:`.restore.restore`. The folder protocol itself (temporary
+folder, manifest, rename, prune, verify) is :mod:`.layout`; what a checkpoint tells its
+caller is :class:`.info.CheckpointInfo`.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import os
 import shutil
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,109 +28,21 @@ from ..parallel import collectives
 # The protocol's steps are called through the module, not imported by name, so that the
 # SIGKILL tests (tests/checkpoint/kill_child.py) can hook each one.
 from . import layout
-from .codec import decode, encode, read_tensor_file, write_tensor_file
-from .elastic import data_parallel_size, elastic_accum_steps
+from .codec import encode, write_tensor_file
+from .elastic import data_parallel_size
 from .errors import CheckpointError, not_saved
-from .fingerprint import Fingerprint, base_fingerprint, check_base
-from .rng import rng_file, rng_state, set_rng_state
-from .state import (
-    dcp_prepare,
-    dcp_save,
-    file_prepare,
-    load_optim_full,
-    local_optim_state,
-    optim_problems,
-    param_fqns,
-    trainable_state,
-    uses_dcp,
-)
+from .fingerprint import base_fingerprint
+from .info import CheckpointInfo
+from .objects import NamedObject, classify
+from .restore import restore
+from .rng import rng_file, rng_state
+from .state import dcp_save, local_optim_state, trainable_state, uses_dcp
 
-__all__ = ["CheckpointInfo", "Checkpointer", "NamedObject", "elastic_accum_steps"]
+__all__ = ["Checkpointer"]
 
 # The package's name, not this module's: one logger for every checkpoint warning, where users
 # and tests configure them.
 logger = logging.getLogger("gradstep.checkpoint")
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """A verified checkpoint: its step, folder and manifest."""
-
-    step: int
-    path: Path
-    manifest: dict[str, Any]
-
-    @property
-    def world_size(self) -> int:
-        return int(self.manifest["world_size"])
-
-    @property
-    def dp_size(self) -> int:
-        """The run's data-parallel ranks (ranks that read different data): its world size,
-        except under tensor parallel (the tensor-parallel peers of a rank read the same
-        data). A manifest from before the field: its ``world_size``."""
-        return int(self.manifest.get("dp_size", self.manifest["world_size"]))
-
-    @property
-    def accum_steps(self) -> int | None:
-        return self.manifest.get("accum_steps")
-
-    @property
-    def base_fingerprint(self) -> Fingerprint | None:
-        """The fingerprint of the frozen base an adapter-only (``trainable_only``) checkpoint
-        was trained on; None for a full checkpoint or one saved before fingerprints."""
-        for entry in self.manifest["objects"].values():
-            if entry.get("kind") == "module" and entry.get("trainable_only"):
-                return Fingerprint.from_json(entry.get("base_fingerprint"))
-        return None
-
-    def accum_steps_for(self, world_size: int) -> int:
-        """:func:`elastic_accum_steps` for this checkpoint (needs ``accum_steps`` saved), from
-        its :attr:`dp_size` to ``world_size``: the data-parallel ranks of the run that
-        resumes (its world size, except under tensor parallel)."""
-        if self.accum_steps is None:
-            raise CheckpointError(
-                f"{self.path.name} was saved without accum_steps; pass accum_steps= to the "
-                "Checkpointer that saves, to resume on a different world size"
-            )
-        return elastic_accum_steps(int(self.accum_steps), self.dp_size, world_size)
-
-
-@dataclass(frozen=True)
-class NamedObject:
-    """One keyword argument of ``save``/``load``: the name it is stored under, and the object."""
-
-    name: str
-    obj: Any
-
-
-def _classify(
-    stateful: dict[str, Any],
-) -> tuple[NamedObject | None, NamedObject | None, dict[str, Any]]:
-    """Split the keyword objects into (model), (optimizer) and the rest, checking each."""
-    modules = [NamedObject(n, o) for n, o in stateful.items() if isinstance(o, nn.Module)]
-    optims = [
-        NamedObject(n, o) for n, o in stateful.items() if isinstance(o, torch.optim.Optimizer)
-    ]
-    if len(modules) > 1 or len(optims) > 1:
-        raise CheckpointError(
-            "a checkpoint holds at most one nn.Module and one Optimizer; got modules "
-            f"{[m.name for m in modules]} and optimizers {[o.name for o in optims]}"
-        )
-    if optims and not modules:
-        raise CheckpointError("an optimizer needs its model in the same call (parameter names)")
-    special = {named.name for named in modules + optims}
-    others = {n: o for n, o in stateful.items() if n not in special}
-    for name, obj in others.items():
-        if not (
-            callable(getattr(obj, "state_dict", None))
-            and callable(getattr(obj, "load_state_dict", None))
-        ):
-            raise CheckpointError(
-                f"{name}={type(obj).__name__}: checkpointed objects must be an nn.Module, an "
-                "Optimizer, or have state_dict() and load_state_dict()"
-            )
-    return (modules[0] if modules else None), (optims[0] if optims else None), others
 
 
 class Checkpointer:
@@ -199,14 +111,14 @@ class Checkpointer:
         check_int("step", step, 0, error=CheckpointError)
         if not stateful:
             raise CheckpointError("save(step, **stateful) needs at least one object to save")
-        model, optimizer, others = _classify(stateful)
+        model, optimizer, others = classify(stateful)
         dp = self._dp_size(model.obj if model is not None else None)
         final = self.directory / f"step-{step:06d}"
         tmp = self.directory / f".tmp-{final.name}"
         rank = collectives.rank()
         if rank == 0:
             self._make_directory()
-            layout._recover(self.directory)
+            layout.recover(self.directory)
         published = False
         try:
             if rank == 0:
@@ -218,11 +130,11 @@ class Checkpointer:
                 layout.write_bytes(tmp / rng_file(rank), rng)
             collectives.barrier()
             if rank == 0:
-                layout._write_manifest(tmp, self._manifest(step, tmp, *written, dp=dp))
+                layout.write_manifest(tmp, self._manifest(step, tmp, *written, dp=dp))
                 layout.fsync(tmp)
-                layout._publish(tmp, final)
+                layout.publish(tmp, final)
                 published = True
-                layout._prune(self.directory, self.keep, protect={final}, is_valid=self._valid)
+                layout.prune(self.directory, self.keep, protect={final}, is_valid=self._valid)
         except BaseException as exc:
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -255,7 +167,7 @@ class Checkpointer:
             return False
         cached = self._verified.get(folder)
         if cached is None or cached[0] != key:
-            cached = self._verified[folder] = (key, layout._verify(folder)[0] is not None)
+            cached = self._verified[folder] = (key, layout.verify(folder)[0] is not None)
         return cached[1]
 
     def _write_state(
@@ -360,14 +272,14 @@ class Checkpointer:
             "created_unix": time.time(),
             "objects": objects,
             "object_tensors": object_tensors,
-            "files": layout._file_table(tmp),
+            "files": layout.file_table(tmp),
         }
 
     # ---------------------------------------------------------------------------- load
 
     def checkpoints(self) -> list[Path]:
         """Published checkpoint folders, newest first (not verified)."""
-        return [path for _, path in layout._step_dirs(self.directory)]
+        return [path for _, path in layout.step_dirs(self.directory)]
 
     def latest(self) -> CheckpointInfo | None:
         """The newest checkpoint whose files all match their checksums, or None.
@@ -385,8 +297,8 @@ class Checkpointer:
 
     def _newest_valid(self) -> tuple[str, dict[str, Any]] | None:
         bad, found = [], None
-        for _, path in layout._step_dirs(self.directory):
-            manifest, problem = layout._verify(path)
+        for _, path in layout.step_dirs(self.directory):
+            manifest, problem = layout.verify(path)
             if manifest is not None:
                 found = (path.name, manifest)
                 break
@@ -416,143 +328,14 @@ class Checkpointer:
             raise CheckpointError("load needs the objects to restore, by the names used in save")
         if not isinstance(checkpoint, CheckpointInfo):
             checkpoint = self.inspect(checkpoint)
-        _restore(checkpoint, stateful, strict, self.rng, self.trainable_only)
+        restore(checkpoint, stateful, strict, self.rng, self.trainable_only)
         return checkpoint.step
 
     def inspect(self, folder: str | os.PathLike) -> CheckpointInfo:
         """Verify one ``step-N`` folder (collective); raise CheckpointError if unusable."""
         path = Path(folder)
-        verdict = layout._verify(path) if collectives.rank() == 0 else None
+        verdict = layout.verify(path) if collectives.rank() == 0 else None
         manifest, problem = collectives.broadcast_from_rank0(verdict)
         if manifest is None:
             raise CheckpointError(f"checkpoint {path} is unusable: {problem}")
         return CheckpointInfo(int(manifest["step"]), path, manifest)
-
-
-def _kind(obj: Any) -> str:
-    """The ``kind`` a manifest entry records for ``obj``."""
-    if isinstance(obj, nn.Module):
-        return "module"
-    if isinstance(obj, torch.optim.Optimizer):
-        return "optimizer"
-    return "object"
-
-
-def _check_names(info: CheckpointInfo, stateful: dict[str, Any], strict: bool) -> None:
-    entries = info.manifest["objects"]
-    missing = sorted(set(stateful) - set(entries))
-    extra = sorted(set(entries) - set(stateful))
-    if missing:
-        raise CheckpointError(
-            f"checkpoint {info.path} has no state for {missing}; it holds {sorted(entries)}"
-        )
-    if extra and strict:
-        raise CheckpointError(
-            f"checkpoint {info.path} also holds {extra}: pass them too, or strict=False to "
-            f"restore only {sorted(stateful)}"
-        )
-    for name, obj in stateful.items():
-        kind = _kind(obj)
-        if entries[name]["kind"] != kind:
-            raise CheckpointError(
-                f"checkpoint {info.path}: {name!r} was saved as kind {entries[name]['kind']!r}, "
-                f"got kind {kind!r} ({type(obj).__name__})"
-            )
-
-
-def _prepare_tensors(
-    info: CheckpointInfo,
-    model: NamedObject | None,
-    optimizer: NamedObject | None,
-    trainable_only: bool = False,
-) -> Callable[[], None]:
-    """Read and validate model + optimizer state, modifying nothing; return the loader."""
-    if model is None:
-        return lambda: None
-    module = model.obj
-    optim = optimizer.obj if optimizer is not None else None
-    entries = info.manifest["objects"]
-    oentry = entries[optimizer.name] if optimizer is not None else None
-    saved_only = bool(entries[model.name].get("trainable_only", False))
-    if saved_only and not trainable_only:
-        # Loading it as a whole model would keep whatever frozen weights the model has now.
-        raise CheckpointError(
-            f"checkpoint {info.path}: {model.name!r} holds only its trainable parameters "
-            "(saved with trainable_only=True); load it with Checkpointer(..., "
-            "trainable_only=True) into a model whose frozen weights are already in place"
-        )
-    if entries[model.name]["store"] == "dcp":
-        optim_in_dcp = oentry is not None and oentry["store"] == "dcp"
-        problems, load_model = dcp_prepare(info.path, module, optim, optim_in_dcp, saved_only)
-    else:
-        problems, load_model = file_prepare(info.path, entries[model.name], module)
-    saved_type = oentry.get("type") if oentry is not None else None
-    if optim is not None and saved_type is not None and saved_type != type(optim).__qualname__:
-        raise CheckpointError(
-            f"checkpoint {info.path}: {optimizer.name!r} was saved from a {saved_type}, got "
-            f"a {type(optim).__qualname__}; build the optimizer the run was saved with "
-            "(nothing was loaded)"
-        )
-    saved_optim = None
-    if optim is not None and oentry is not None and oentry["store"] == "file":
-        tensors = (
-            read_tensor_file(info.path / oentry["file"], oentry["aliases"])
-            if "file" in oentry
-            else {}
-        )
-        saved_optim = decode(oentry["state"], tensors)
-        problems += optim_problems(saved_optim, param_fqns(module, optim))
-    if problems:
-        names = model.name + (f" / {optimizer.name}" if optimizer is not None else "")
-        raise CheckpointError(
-            f"checkpoint {info.path} does not fit {names}: {'; '.join(problems)}. "
-            "Nothing was loaded."
-        )
-    if saved_only:  # adapters: the frozen base must be the one they were trained on
-        check_base(info.path, model.name, entries[model.name], module)
-
-    def load() -> None:
-        load_model()
-        if saved_optim is not None:
-            load_optim_full(module, optim, saved_optim)
-
-    return load
-
-
-def _restore(
-    info: CheckpointInfo,
-    stateful: dict[str, Any],
-    strict: bool,
-    rng: bool,
-    trainable_only: bool = False,
-) -> None:
-    """Read and validate everything first; then load, rolling objects back on a refusal."""
-    model, optimizer, others = _classify(stateful)
-    _check_names(info, stateful, strict)
-    entries, blob = info.manifest["objects"], info.manifest.get("object_tensors")
-    tensors = read_tensor_file(info.path / blob["file"], blob["aliases"]) if blob else {}
-    states = {name: decode(entries[name]["state"], tensors) for name in others}
-    load_tensors = _prepare_tensors(info, model, optimizer, trainable_only)
-    rng_name = rng_file(collectives.rank())
-    saved_rng = None
-    if rng and rng_name in info.manifest["files"]:
-        saved_rng = decode(json.loads((info.path / rng_name).read_bytes()), {})
-    done: list[tuple[Any, Any]] = []
-    try:
-        for name, obj in others.items():
-            backup = copy.deepcopy(obj.state_dict())
-            try:
-                obj.load_state_dict(states[name])
-            except Exception as exc:
-                raise CheckpointError(
-                    f"checkpoint {info.path}: {name} refused its saved state ({exc}); "
-                    "nothing was loaded"
-                ) from exc
-            done.append((obj, backup))
-        load_tensors()
-    except BaseException:
-        for obj, backup in reversed(done):
-            obj.load_state_dict(backup)
-        raise
-    if saved_rng is not None:
-        set_rng_state(saved_rng)

@@ -1,9 +1,13 @@
-"""The atomic folder protocol of :mod:`gradstep.checkpoint`: write, publish, verify, prune.
+"""The checkpoint's atomic-file API: write, publish, verify, prune (and read leases).
 
-A checkpoint is written into ``.tmp-step-N``, fsynced, given its manifest (written last,
-checksummed), renamed to ``step-N`` in one atomic rename, and only then are old ones
-pruned. Everything here works on paths and bytes; what goes into the files is decided
-by :mod:`.checkpointer`.
+A checkpoint is written into ``.tmp-step-N`` (:func:`write_bytes`, :func:`fsync`), given its
+manifest (:func:`file_table`, then :func:`write_manifest`: written last, checksummed),
+renamed to ``step-N`` in one atomic rename (:func:`publish`), and only then are old ones
+pruned (:func:`prune`); :func:`recover` tidies what a killed save left, :func:`step_dirs`
+lists the published folders and :func:`verify` checks one against its manifest. Everything
+here works on paths and bytes; what goes into the files is decided by :mod:`.checkpointer`,
+which calls these functions through the module (``layout.publish(...)``), so that tests can
+hook each step of the protocol.
 
 Read leases: ``with read_lease(step_folder): ...`` pins a published checkpoint while another
 process reads it (``gradstep export`` of a run a trainer is still writing). The lease is a
@@ -38,17 +42,17 @@ __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
     "MANIFEST",
-    "_file_table",
-    "_prune",
-    "_publish",
-    "_recover",
-    "_step_dirs",
-    "_verify",
-    "_write_manifest",
     "file_sha256",
+    "file_table",
     "fsync",
+    "prune",
+    "publish",
     "read_lease",
+    "recover",
+    "step_dirs",
+    "verify",
     "write_bytes",
+    "write_manifest",
     "written_by_gradstep",
 ]
 
@@ -74,6 +78,7 @@ def fsync(path: Path) -> None:
 
 
 def file_sha256(path: Path) -> str:
+    """The sha256 of a file's bytes, read in chunks."""
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
         while chunk := fh.read(_CHUNK):
@@ -100,12 +105,14 @@ def _canonical(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
 
-def _write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
+def write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
+    """Write and fsync ``folder``'s manifest, with its own ``checksum`` added (the sha256 of
+    the canonical JSON of the rest, which :func:`verify` checks)."""
     body = {**manifest, "checksum": hashlib.sha256(_canonical(manifest)).hexdigest()}
     write_bytes(folder / MANIFEST, json.dumps(body, sort_keys=True, indent=1).encode() + b"\n")
 
 
-def _file_table(folder: Path) -> dict[str, dict[str, Any]]:
+def file_table(folder: Path) -> dict[str, dict[str, Any]]:
     """Size and sha256 of every file under ``folder`` (DCP's hidden ``.metadata`` included)."""
     table = {}
     for root, _, files in os.walk(folder):
@@ -120,7 +127,7 @@ def _file_table(folder: Path) -> dict[str, dict[str, Any]]:
 # ----------------------------------------------------------------- the atomic protocol
 
 
-def _publish(tmp: Path, final: Path) -> None:
+def publish(tmp: Path, final: Path) -> None:
     """Make a complete, fsynced folder visible under its final name in one rename.
 
     Saving a step that exists replaces it: the old copy is renamed to ``.replaced-step-N``
@@ -135,7 +142,7 @@ def _publish(tmp: Path, final: Path) -> None:
     shutil.rmtree(replaced, ignore_errors=True)
 
 
-def _recover(directory: Path) -> None:
+def recover(directory: Path) -> None:
     """Tidy what a killed save left: partial folders go, a replaced step is put back."""
     for path in directory.iterdir():
         if _LEFTOVER.match(path.name):
@@ -144,12 +151,12 @@ def _recover(directory: Path) -> None:
             original = path.with_name(m.group(1))
             if original.exists():  # the replacement was published: the old copy can go
                 shutil.rmtree(path, ignore_errors=True)
-            else:  # killed between the two renames of _publish: restore the old copy
+            else:  # killed between the two renames of publish: restore the old copy
                 os.rename(path, original)
     fsync(directory)
 
 
-def _step_dirs(directory: Path) -> list[tuple[int, Path]]:
+def step_dirs(directory: Path) -> list[tuple[int, Path]]:
     """Published checkpoint folders, newest first (not verified)."""
     if not directory.is_dir():
         return []
@@ -187,7 +194,7 @@ def _misnamed(folder: Path) -> bool:
     return raw is not None and named is not None and raw.get("step") != named
 
 
-def _prune(
+def prune(
     directory: Path,
     keep: int,
     protect: Collection[Path] = (),
@@ -203,11 +210,11 @@ def _prune(
     manifest (renamed or copied by hand: unusable, but maybe intact). A folder a reader
     holds a :func:`read_lease` on is skipped too: a later save prunes it.
     """
-    is_valid = is_valid or (lambda path: _verify(path)[0] is not None)
+    is_valid = is_valid or (lambda path: verify(path)[0] is not None)
     kept = {Path(p) for p in protect}
     trash = []
     valid_seen = 0
-    for n, path in _step_dirs(directory):
+    for n, path in step_dirs(directory):
         if path in kept:  # the checkpoint just written: known good, and it counts
             valid_seen += 1
             continue
@@ -267,7 +274,7 @@ def _reject_constant(name: str) -> float:
     raise ValueError(f"non-standard JSON constant {name}")
 
 
-def _verify(folder: Path) -> tuple[dict[str, Any] | None, str | None]:
+def verify(folder: Path) -> tuple[dict[str, Any] | None, str | None]:
     """(manifest, None) when every file matches its checksum, else (None, the reason).
 
     Never raises for what it finds on disk: whatever is wrong with a folder becomes the

@@ -10,8 +10,7 @@ import torch
 from torch.optim import Optimizer
 
 from .._validate import check_flag, check_number, check_params
-from ..parallel.dtensor import shard_groups, to_local, wide_dtype
-from ._shards import reduce_over_shards, whole_norms
+from ..parallel.dtensor import reduce_over_shards, shard_groups, to_local, whole_norms, wide_dtype
 
 __all__ = ["LAMB"]
 

@@ -9,8 +9,7 @@ import torch
 from torch.optim import Optimizer
 
 from .._validate import check_flag, check_number, check_params
-from ..parallel.dtensor import shard_groups, to_local
-from ._shards import whole_norms
+from ..parallel.dtensor import shard_groups, to_local, whole_norms
 
 __all__ = ["LARS"]
 

@@ -23,7 +23,21 @@ build it too.
 
 from __future__ import annotations
 
-from .base import ProcessGroupStrategy, Strategy, window_length_error
+from .base import (
+    GRADIENT_LAYOUTS,
+    BackendGradients,
+    Capabilities,
+    FinalGrads,
+    ForwardCollectives,
+    ModelParallel,
+    ProcessGroupStrategy,
+    RunsWindow,
+    SelfReducedNorm,
+    ShardReplicas,
+    Strategy,
+    capabilities,
+    window_length_error,
+)
 from .collectives import (
     agree,
     all_reduce_sum,
@@ -59,6 +73,16 @@ from .tensor_parallel import FSDP2TPStrategy
 
 __all__ = [
     "BACKENDS",
+    "GRADIENT_LAYOUTS",
+    "BackendGradients",
+    "Capabilities",
+    "FinalGrads",
+    "ForwardCollectives",
+    "ModelParallel",
+    "RunsWindow",
+    "SelfReducedNorm",
+    "ShardReplicas",
+    "capabilities",
     "STRATEGIES",
     "TIMEOUT_RANGE_S",
     "DDPStrategy",

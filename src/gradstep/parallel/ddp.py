@@ -6,10 +6,9 @@ import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import torch
 from torch import nn
 
-from .base import ProcessGroupStrategy, local_norm
+from .base import ProcessGroupStrategy
 
 __all__ = ["DDPStrategy"]
 
@@ -41,12 +40,12 @@ class DDPStrategy(ProcessGroupStrategy):
         return isinstance(model, DistributedDataParallel)
 
     @contextlib.contextmanager
-    def sync(self, enabled: bool) -> Iterator[None]:
-        if enabled:
-            yield
+    def micro_batch(self, micro_batch: Any, is_last: bool) -> Iterator[Any]:
+        if is_last:
+            yield micro_batch
         else:
             with self.model.no_sync():  # type: ignore[operator]
-                yield
+                yield micro_batch
 
     def discard_partial_grads(self) -> None:
         """Forget the backward DDP's reducer was told to expect.
@@ -85,11 +84,6 @@ class DDPStrategy(ProcessGroupStrategy):
             yield
         finally:
             self.recorder = None
-
-    def total_norm(self, grads: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
-        # After the all-reduce every rank holds the same full gradient: the local norm
-        # already is the global one, and reducing it again would count it world_size times.
-        return local_norm(grads, norm_type)
 
 
 def _allreduce_and_record(strategy, bucket):  # type: ignore[no-untyped-def]

@@ -1,26 +1,39 @@
-"""DTensor facts in one place: a shard's local view, its shard groups, norms of local parts.
+"""DTensor facts in one place: a shard's local view, which copy counts, the groups a
+whole-tensor sum crosses, norms and sums of local parts.
 
 FSDP2 (and tensor parallelism) hand out parameters and gradients as DTensors. Everything in
-gradstep that measures them locally asks here, so "what is this rank's part", "which process
-groups does a whole-tensor sum cross" and "in which dtype is a norm taken" each have one
-answer.
+gradstep that measures them asks here (the step's global norm, tensor parallel, AGC, the
+noise scale, LARS and LAMB), so "what is this rank's part", "does this rank's copy count",
+"which process groups does a whole-tensor sum cross" and "in which dtype is a norm taken"
+each have one answer. The whole-tensor sums and norms (:func:`sum_parts`,
+:func:`reduce_over_shards`, :func:`whole_norms`) put every per-tensor value of a step into
+one vector and reduce the sharded entries with one ``all_reduce`` per distinct sharding, not
+one per parameter; replicated entries (plain tensors, DDP, HSDP's replicate dim) are left
+alone: summing those over ranks would count them once per rank.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
 from ..errors import UnsupportedSetup
+from . import collectives
 
 __all__ = [
     "ShardGroups",
     "first_copy",
+    "local_norm",
     "norm32",
+    "reduce_over_shards",
     "shard_groups",
+    "shard_norm",
+    "sum_parts",
     "to_local",
+    "whole_norms",
     "wide_dtype",
 ]
 
@@ -103,3 +116,68 @@ def norm32(t: torch.Tensor, norm_type: float = 2.0, dim: int | None = None) -> t
     if t.numel() == 0 and dim is None:
         return torch.zeros((), dtype=wide, device=t.device)
     return torch.linalg.vector_norm(t, norm_type, dim=dim, dtype=wide)
+
+
+def local_norm(grads: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """Norm of this process's tensors, as they are (a DTensor's comes back Partial)."""
+    if not grads:
+        return torch.zeros(())
+    return torch.nn.utils.get_total_norm(list(grads), norm_type=norm_type, foreach=None)
+
+
+def shard_norm(grads: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """Norm of this rank's parts of the tensors (a DTensor's local shard); empty shards (a
+    parameter with fewer rows than ranks) count as zero, also for the inf-norm."""
+    local = [to_local(g) for g in grads]
+    if math.isinf(norm_type):
+        local = [g for g in local if g.numel()]
+    if not local:
+        return torch.zeros((), device=grads[0].device if grads else None)
+    return local_norm(local, norm_type)
+
+
+def sum_parts(parts: Sequence[torch.Tensor], layouts: Sequence[ShardGroups]) -> list[torch.Tensor]:
+    """Each of ``parts`` (local sums of any shape: per tensor, per row) summed over the
+    groups of its layout; replicated ones (an empty layout) as they are.
+
+    The parts of one layout travel together: one ``all_reduce`` per group of each distinct
+    layout, in the order the layouts first appear (the same on every rank: the ranks list
+    the same parameters). FSDP2 and HSDP have one layout; a (dp, tp) mesh a few.
+    """
+    out = list(parts)
+    by_layout: dict[ShardGroups, list[int]] = {}
+    for i, layout in enumerate(layouts):
+        if layout:
+            by_layout.setdefault(layout, []).append(i)
+    for layout, idx in by_layout.items():
+        part = torch.cat([parts[i].reshape(-1) for i in idx])
+        for group in layout:
+            part = collectives.all_reduce_sum(part, group)
+        pieces = part.split([parts[i].numel() for i in idx])
+        for i, piece in zip(idx, pieces, strict=True):
+            out[i] = piece.view_as(parts[i])
+    return out
+
+
+def reduce_over_shards(values: torch.Tensor, layouts: Sequence[ShardGroups]) -> torch.Tensor:
+    """``values[i]`` (a per-tensor local sum) summed over the shards of tensor ``i``: one
+    ``all_reduce`` per distinct layout (FSDP2 and HSDP have one, so a step costs one
+    collective however many parameters it has)."""
+    if not any(layouts):
+        return values
+    return torch.stack(sum_parts(list(values.unbind(0)), layouts))
+
+
+def whole_norms(tensors: Sequence[torch.Tensor], layouts: Sequence[ShardGroups]) -> torch.Tensor:
+    """The 2-norm of each whole tensor (``tensors`` are local parts, ``layouts`` their
+    sharding), as one 1-D tensor; one collective for all of them when any is sharded."""
+    if not tensors:
+        return torch.zeros(0)
+    norms = torch.stack(torch._foreach_norm(list(tensors), 2.0, dtype=wide_dtype(tensors)))
+    if not any(layouts):
+        # Nothing sharded (one process, DDP): the norms as they are, with no square/sqrt
+        # round trip, so one process matches the reference implementations bit for bit.
+        return norms
+    sharded = torch.tensor([bool(layout) for layout in layouts], device=norms.device)
+    squares = reduce_over_shards(norms.square(), layouts)
+    return torch.where(sharded, squares.sqrt(), norms)

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from .base import ProcessGroupStrategy, local_norm, post_accumulate_hooks, shard_norm
+from .base import ProcessGroupStrategy, post_accumulate_hooks
 
 __all__ = ["FSDP2Strategy", "fsdp_mesh_info"]
 
@@ -45,16 +44,16 @@ class FSDP2Strategy(ProcessGroupStrategy):
         return isinstance(model, FSDPModule)
 
     @contextlib.contextmanager
-    def sync(self, enabled: bool) -> Iterator[None]:
+    def micro_batch(self, micro_batch: Any, is_last: bool) -> Iterator[Any]:
         # FSDP2 has no no_sync context; the flag is set on every FSDP module (recurse) and
         # must be in place before the forward pass of the micro-batch. It is restored even
         # when the micro-batch raises: a user's own backward afterwards (an error handler,
         # evaluation with grads) must reduce-scatter as usual.
-        self.model.set_requires_gradient_sync(enabled)  # type: ignore[operator]
+        self.model.set_requires_gradient_sync(is_last)  # type: ignore[operator]
         try:
-            yield
+            yield micro_batch
         finally:
-            if not enabled:
+            if not is_last:
                 self.model.set_requires_gradient_sync(True)  # type: ignore[operator]
 
     def final_grads(self, params: Sequence[nn.Parameter], record: Callable) -> Any:
@@ -98,19 +97,6 @@ class FSDP2Strategy(ProcessGroupStrategy):
             unsharded = getattr(fsdp_param, "_unsharded_param", None)
             if unsharded is not None:
                 unsharded.grad = None
-
-    def total_norm(self, grads: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
-        if math.isinf(norm_type):
-            # torch's inf-norm of a DTensor raises on a rank whose shard is empty (a
-            # parameter with fewer rows than ranks) while the other ranks wait for it: the
-            # max of the non-empty local shards, then one MAX all-reduce.
-            return self.all_reduce_max(shard_norm(grads, norm_type))
-        # Norms of DTensor shards come back as a DTensor with a Partial placement;
-        # full_tensor() performs the cross-shard reduction (sum of p-th powers).
-        from torch.distributed.tensor import DTensor
-
-        norm = local_norm(grads, norm_type)
-        return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 def fsdp_mesh_info(model: nn.Module) -> Any:

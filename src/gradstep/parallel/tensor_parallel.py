@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .base import ProcessGroupStrategy, shard_norm
-from .dtensor import first_copy, to_local
+from .base import ProcessGroupStrategy
+from .dtensor import first_copy, shard_norm, to_local
 from .fsdp2 import FSDP2Strategy, fsdp_mesh_info
 
 __all__ = ["FSDP2TPStrategy"]
@@ -35,7 +35,7 @@ __all__ = ["FSDP2TPStrategy"]
 
 class FSDP2TPStrategy(FSDP2Strategy):
     name = "fsdp_tp"
-    gradient_layout = "other"
+    gradient_layout = "self_reduced"
     model_parallel = True
 
     def __init__(self, model: nn.Module) -> None:

@@ -8,9 +8,15 @@ import torch
 from torch import nn
 
 from .._validate import check_choice, check_positive
-from ..optim._shards import reduce_over_shards, sum_parts
 from ..parallel import collectives
-from ..parallel.dtensor import ShardGroups, norm32, shard_groups, to_local
+from ..parallel.dtensor import (
+    ShardGroups,
+    norm32,
+    reduce_over_shards,
+    shard_groups,
+    sum_parts,
+    to_local,
+)
 from .base import ClipResult, GradientView
 from .registry import register
 

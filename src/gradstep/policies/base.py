@@ -186,7 +186,8 @@ class Decision:
 
 def apply_policies(policies: Sequence[ClipPolicy], view: GradientView) -> Decision:
     """Ask each policy in order; a coefficient joins the view's pending multiply, an edit
-    in place is measured again, a skip ends the round."""
+    in place is measured again, a skip ends the round. Unless the step is skipped, the
+    pending multiply (normalisation and every coefficient) is then applied, in one pass."""
     decision = Decision()
     for policy in policies:
         before = view.norm
@@ -207,4 +208,5 @@ def apply_policies(policies: Sequence[ClipPolicy], view: GradientView) -> Decisi
         if result.threshold is not None:
             decision.threshold = result.threshold
         decision.acted = decision.acted or result.acted
+    view.materialize()
     return decision

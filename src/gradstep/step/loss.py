@@ -73,11 +73,12 @@ def token_loss(
     return LossSum(total, (labels != ignore_index).sum() if count else None)
 
 
-def check_loss_sum(out: object, count: bool = True) -> LossSum:
+def check_loss_sum(out: object, count: bool = True, sign: bool = True) -> LossSum:
     """Validate what a user's ``loss_fn`` returned; raise a clear error otherwise.
 
-    ``count=False`` leaves ``out.count`` to :func:`check_count`: the Stepper checks per
-    micro-batch what must hold before its backward, and the counts once per window.
+    ``count=False``: ``out.count`` may be None (``step(..., count=fn)`` counted the
+    micro-batch). ``sign=False`` leaves an int count's sign to the caller (the Stepper
+    checks it once per window, on every rank alike, after its collective).
     """
     if not isinstance(out, LossSum):
         kind = type(out).__name__
@@ -98,8 +99,8 @@ def check_loss_sum(out: object, count: bool = True) -> LossSum:
             "LossSum.total does not require grad: it was computed under torch.no_grad(), "
             "detached, or from no trainable parameter; return the loss sum the model produced"
         )
-    if count:
-        check_count(out.count)
+    if count or out.count is not None:
+        check_count(out.count, sign=sign)
     return out
 
 

@@ -1,15 +1,24 @@
-"""The gradient norm taken while the last backward runs, not in a pass after it.
+"""The global gradient norm: the one place a strategy's gradient layout becomes it.
 
-The post-hoc step reads every gradient twice after backward: once for the norm and once
-(read + write) for the multiply that normalises and clips. Taking each gradient's norm as
-soon as it is final (in the last micro-batch's backward, while it is still in cache) leaves
-only the multiply for after backward: a third less memory traffic.
+A strategy declares how its reduced gradient lies on the ranks
+(:data:`gradstep.parallel.GRADIENT_LAYOUTS`); this module, and nothing else, turns that
+into the norm over every rank and shard:
 
-Where a gradient becomes final is the strategy's business: on one process when autograd
-has accumulated it (a post-accumulate-grad hook), under FSDP2 when its reduce-scattered
-shard is assigned (FSDP2 runs the same hooks on the sharded parameter), under DDP when a
-bucket's all-reduce completes (a communication hook). Each strategy that can says so
-with ``final_grads(params, record)``; the others keep the post-hoc pass.
+- ``replicated`` (one process, DDP): this rank's norm is the global one;
+- ``dp_sharded`` (FSDP2, HSDP): ``norm**p`` of this rank's shards, times its weight (0 on
+  an HSDP replica's copies), summed over the data-parallel ranks. In the step that sum
+  rides the tally's one collective (:func:`window_norm` says it is still to be summed);
+  the inf-norm needs a max, the strategy's ``all_reduce_max``;
+- ``self_reduced`` (FSDP2 + tensor parallel): the strategy's own ``total_norm``.
+
+The norm of the step is taken after backward, or while the last backward runs
+(:class:`EarlyNorm`): the post-hoc step reads every gradient twice after backward, once
+for the norm and once (read + write) for the multiply that normalises and clips; taking
+each gradient's norm as soon as it is final, while it is still in cache, leaves only the
+multiply, a third less memory traffic. Where a gradient becomes final is the strategy's
+business (:class:`gradstep.parallel.FinalGrads`): on one process when autograd has
+accumulated it, under FSDP2 when its reduce-scattered shard is assigned, under DDP when a
+bucket's all-reduce completes.
 """
 
 from __future__ import annotations
@@ -17,20 +26,21 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
 
-from ..parallel.base import FinalGrads, Strategy, shard_norm
-from ..parallel.dtensor import norm32, to_local
+from ..parallel import Capabilities, Strategy
+from ..parallel.dtensor import norm32, shard_norm, to_local
 
 __all__ = [
     "NORM_IN_BACKWARD_BYTES",
     "EarlyNorm",
     "combine",
     "decide",
-    "local_part",
+    "global_norm",
+    "window_norm",
 ]
 
 NORM_IN_BACKWARD_BYTES = 32 * 2**20
@@ -41,7 +51,7 @@ parameter costs more than the single pass it replaces."""
 
 
 def decide(
-    mode: bool | str, params: Sequence[nn.Parameter], strategy: Strategy, precision: Any
+    mode: bool | str, params: Sequence[nn.Parameter], caps: Capabilities, precision: Any
 ) -> bool:
     """Whether a Stepper takes the norm in the last backward, decided once: asked for (or
     ``"auto"`` and big enough), the strategy can say where gradients become final, and
@@ -52,7 +62,7 @@ def decide(
     if mode == "auto":
         mode = sum(p.numel() * p.element_size() for p in params) >= NORM_IN_BACKWARD_BYTES
     plain = precision.scaler is None and precision.accumulator is None
-    return bool(mode) and isinstance(strategy, FinalGrads) and plain
+    return bool(mode) and caps.final_grads is not None and plain
 
 
 def combine(norms: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
@@ -83,22 +93,19 @@ class EarlyNorm:
         self.params = list(params)
         self.order = {id(p): i for i, p in enumerate(self.params)}
         self.parts: dict[int, torch.Tensor] = {}
-        self.hooks: Any = None
+        self.recording: Any = None
         """The strategy's context that records into this during the last backward."""
 
     @classmethod
     def start(
-        cls, enabled: bool, strategy: Strategy, params: Sequence[nn.Parameter], norm_type: float
+        cls, caps: Capabilities, params: Sequence[nn.Parameter], norm_type: float
     ) -> EarlyNorm | None:
-        """An EarlyNorm with the hooks of a :class:`FinalGrads` strategy that record into it;
-        None when not ``enabled`` (:func:`decide`, which already checked the strategy is
-        one) or when the strategy cannot on this model (then the norm is taken after
-        backward)."""
-        if not enabled:
-            return None
+        """An EarlyNorm recording through the strategy's :class:`FinalGrads` hooks (which
+        :func:`decide` found); None when the strategy cannot on this model (then the norm
+        is taken after backward)."""
         early = cls(norm_type, params)
-        early.hooks = cast(FinalGrads, strategy).final_grads(early.params, early.record)
-        return None if early.hooks is None else early
+        early.recording = caps.final_grads(early.params, early.record)  # type: ignore[misc]
+        return None if early.recording is None else early
 
     def record(self, param: nn.Parameter, grad: torch.Tensor) -> None:
         self.parts[self.order[id(param)]] = norm32(grad, self.norm_type)
@@ -115,21 +122,46 @@ class EarlyNorm:
         return combine([self.parts[i] for i in sorted(self.parts)], self.norm_type)
 
 
-def local_part(
-    strategy: Strategy, grads: Sequence[torch.Tensor], early: EarlyNorm | None, norm_type: float
+def window_norm(
+    strategy: Strategy,
+    caps: Capabilities,
+    grads: Sequence[torch.Tensor],
+    early: EarlyNorm | None,
+    norm_type: float,
 ) -> tuple[torch.Tensor, bool]:
-    """This rank's part of the window's global gradient norm, and whether its
-    ``norm_type``-th power is still to be summed over the data-parallel ranks (the tally's
-    collective does that; a rank holding replicas of another rank's shards, HSDP's, adds
-    nothing). The inf-norm of a sharded gradient needs a max, not a sum: its own
-    collective. A strategy with another layout reduces the norm itself."""
+    """This rank's part of the window's global norm, and whether its ``norm_type``-th power
+    is still to be summed over the data-parallel ranks (the tally's collective does that):
+    the step's norm without a collective of its own, except where a max or the strategy's
+    own reduction is needed."""
     layout = strategy.gradient_layout
-    if layout == "other":
-        return strategy.total_norm(grads, norm_type), False
-    device = grads[0].device if grads else torch.device("cpu")
-    local = early.local(device) if early is not None else shard_norm(grads, norm_type)
+    if layout == "self_reduced":
+        return caps.total_norm(grads, norm_type), False  # type: ignore[misc]
+    if early is not None:
+        local = early.local(grads[0].device if grads else torch.device("cpu"))
+    elif layout == "replicated":  # plain tensors: torch's own norm, no DTensor view needed
+        local = _plain_norm(grads, norm_type)
+    else:
+        local = shard_norm(grads, norm_type)
     if layout == "replicated":
         return local, False
     if math.isinf(norm_type):
-        return strategy.all_reduce_max(local), False  # type: ignore[attr-defined]
-    return local * strategy.norm_weight, True
+        return strategy.all_reduce_max(local), False
+    return local * caps.norm_weight, True
+
+
+def global_norm(
+    strategy: Strategy, caps: Capabilities, grads: Sequence[torch.Tensor], norm_type: float
+) -> torch.Tensor:
+    """The global norm of ``grads`` over every rank and shard, with its own collective
+    (policies that edit the gradient in place are measured again with this)."""
+    local, summed = window_norm(strategy, caps, grads, None, norm_type)
+    if not summed:
+        return local
+    power = strategy.all_reduce_sum(local.to(torch.float64).reshape(1) ** norm_type)
+    return power.reshape(()) ** (1.0 / norm_type)
+
+
+def _plain_norm(grads: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
+    if not grads:
+        return torch.zeros(())
+    return torch.nn.utils.get_total_norm(list(grads), norm_type=norm_type, foreach=None)

@@ -234,12 +234,14 @@ class OOMSplitter:
     :meth:`guard` / :meth:`window` (the agreement points inside the micro-batch loop).
     """
 
-    def __init__(self, strategy: Any, split_fn: SplitFn | None = None) -> None:
+    def __init__(self, caps: Any, split_fn: SplitFn | None = None) -> None:
+        """``caps``: the strategy's :class:`gradstep.parallel.Capabilities` (who agrees,
+        and which modules' forwards communicate)."""
         self.split_fn = split_fn or split_in_half
         self.halvings = 0
         """How many times every micro-batch is halved before it runs (grows on OOM)."""
-        self._strategy = strategy
-        self._agreement = OOMAgreement(strategy.agree_sum, strategy.agree_ranks)
+        self._caps = caps
+        self._agreement = OOMAgreement(caps.agree_sum, caps.agree_ranks)
 
     def prepare(self, micro_batches: Any) -> list[Any]:
         return halve(list(micro_batches), self.split_fn, self.halvings)
@@ -278,6 +280,6 @@ class OOMSplitter:
     def window(self) -> contextlib.AbstractContextManager[None]:
         """Around the window's micro-batches: on several ranks, an agreement point before
         every forward that communicates (FSDP2's units, DDP broadcasting buffers)."""
-        if self._strategy.agree_ranks == 1:
+        if self._caps.agree_ranks == 1:
             return contextlib.nullcontext()
-        return self._agreement.before_forwards(self._strategy.communicating_modules())
+        return self._agreement.before_forwards(self._caps.communicating_modules())

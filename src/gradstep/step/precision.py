@@ -80,6 +80,8 @@ class Precision:
         params: Sequence[nn.Parameter],
         accum_dtype: torch.dtype | None,
         distributed: bool,
+        all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        world_size: int = 1,
     ) -> None:
         check_choice("precision", precision, tuple(PRECISIONS))
         if accum_dtype is not None and accum_dtype not in ACCUM_DTYPES:
@@ -118,24 +120,21 @@ class Precision:
             )
         self.scaler = torch.amp.GradScaler(self.device_type) if precision == "fp16" else None
         self._unscaled = False
-        # fp16 only: each micro-batch backpropagates sum * prescale (~ 1 / items per
-        # micro-batch, from the previous window, identical on all ranks) so that scaled
-        # fp16 gradients stay in the range a mean loss would give. None: not known yet
-        # (the first fp16 window measures it from its first micro-batch).
-        self._prescale: float | None = None if precision == "fp16" else 1.0
-
-    @property
-    def prescale(self) -> float:
-        """The factor every loss sum of this window was multiplied by before backward."""
-        if self._prescale is None:
-            raise RuntimeError("Precision.prescale is unknown before the first backward")
-        return self._prescale
+        # The first fp16 window measures its pre-scale as the mean item count of its first
+        # micro-batch over the ranks: the only collective precision needs.
+        self._sum = all_reduce_sum if all_reduce_sum is not None else (lambda t: t)
+        self._world = world_size
+        self.prescale: float | None = None if precision == "fp16" else 1.0
+        """fp16 only: each micro-batch backpropagates ``sum * prescale`` (about 1 / items
+        per micro-batch, from the previous window, identical on all ranks) so that scaled
+        fp16 gradients stay in the range a mean loss would give; 1.0 otherwise. None: not
+        known before the first fp16 backward."""
 
     @property
     def backward_factor(self) -> float:
         """Loss scale times pre-scale: what a backpropagated loss sum was multiplied by."""
         scale = 1.0 if self.scaler is None else float(self.scaler.get_scale())
-        return scale * (1.0 if self._prescale is None else self._prescale)
+        return scale * (1.0 if self.prescale is None else self.prescale)
 
     def autocast(self) -> contextlib.AbstractContextManager[None]:
         if self.dtype is None:
@@ -148,21 +147,20 @@ class Precision:
             return contextlib.nullcontext()
         return self.accumulator.window()
 
-    def backward(
-        self, total: torch.Tensor, count: Any, mean_over_ranks: Callable[[Any], float]
-    ) -> None:
+    def backward(self, total: torch.Tensor, count: Any) -> None:
         """Backpropagate one micro-batch's loss sum (pre-scaled and loss-scaled in fp16)."""
-        if self._prescale is None:
+        if self.prescale is None:
             # fp16's first window: 1 / mean item count of the first micro-batch over ranks.
-            self._prescale = 1.0 / max(mean_over_ranks(count), 1.0)
-        if self._prescale != 1.0:
-            total = total * self._prescale
+            local = torch.as_tensor(count, dtype=torch.float64).reshape(1).cpu()
+            self.prescale = 1.0 / max(float(self._sum(local)) / self._world, 1.0)
+        if self.prescale != 1.0:
+            total = total * self.prescale
         (self.scaler.scale(total) if self.scaler is not None else total).backward()
 
     def end_window(self, global_micro_batches: int, items: int) -> None:
         """After a taken step: the next fp16 window pre-scales by 1 / mean micro-batch items."""
         if self.scaler is not None:
-            self._prescale = global_micro_batches / items
+            self.prescale = global_micro_batches / items
 
     def unscale(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide by the loss scale, once per optimizer step."""
@@ -221,7 +219,7 @@ class Precision:
         """The fp16 scaler's state and the pre-scale of the next window (None: unknown)."""
         return {
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-            "prescale": self._prescale,
+            "prescale": self.prescale,
         }
 
     def load_state_dict(self, state: dict, prescale: float | None = None) -> None:
@@ -231,7 +229,7 @@ class Precision:
             return  # fp32/bf16: the pre-scale is 1 whatever the run that saved it used
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
-        self._prescale = state.get("prescale", prescale)
+        self.prescale = state.get("prescale", prescale)
 
 
 def _optimizer_states(scaler: torch.amp.GradScaler) -> dict[int, dict[str, Any]]:

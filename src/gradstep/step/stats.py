@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..policies.base import Decision
-from .loop import Window
+from .tally import Window
 
 __all__ = ["StepStats", "step_stats"]
 

@@ -1,11 +1,11 @@
 """The optimizer step built from many micro-batches, exactly as one large batch would give.
 
 ``Stepper._step`` is the whole algorithm, top to bottom: zero grads -> micro-batches
-(forward, loss, backward; gradient sync only on the last) -> unscale -> global norm and
-the window's totals (one collective, one host read) -> normalise -> finite check -> clip
-policies -> optimizer step -> scheduler step. The micro-batch loop and the window's
-accounting are :mod:`.window`'s; the norm in backward :mod:`.early_norm`'s; out-of-memory
-splitting :mod:`.oom`'s; the policies' decision :mod:`.policies`'.
+(forward, loss, backward; gradient sync only on the last: :mod:`.loop`) -> unscale ->
+the window's totals and this rank's part of the global norm in one collective and one
+host read (:mod:`.tally`, :mod:`.norm`) -> normalise -> finite check -> clip policies ->
+optimizer step -> scheduler step. Out-of-memory splitting is :mod:`.oom`'s; the policies'
+decision :mod:`gradstep.policies`'; the strategy's capabilities are read once, here.
 
 Normalisation has exactly one owner, one line in ``_step``: losses are backpropagated as
 *sums*, and the summed gradient is divided once, afterwards, by the window's global item
@@ -26,17 +26,17 @@ import torch
 from torch import nn
 
 from .. import _validate
-from ..parallel import Strategy, strategy_for
+from ..parallel import Strategy, capabilities, strategy_for
 from ..policies import ClipNorm, ClipPolicy, GradientView, as_policies
 from ..policies.base import Decision, apply_policies, norm_type_of
-from . import norm as early_norm
 from .hooks import Hooks
-from .loop import Loop, Tally, Window, check_micro_batches, plan_counts, windows
+from .loop import NULL, Loop, as_is, compose, plain_backward, windows
 from .loss import LossSum
-from .norm import EarlyNorm
+from .norm import EarlyNorm, decide, global_norm, window_norm
 from .oom import ON_OOM, OOMSplitter, SplitFn, split_in_half
 from .precision import Precision
 from .stats import StepStats, step_stats
+from .tally import Tally, Window, plan_counts
 
 __all__ = ["LossFn", "StepStats", "Stepper", "windows"]
 
@@ -48,7 +48,9 @@ class Stepper:
     """One exact optimizer step from a window of micro-batches.
 
     Args:
-        model: the module (plain, DDP, or FSDP2 ``fully_shard``-ed; detected automatically).
+        model: the module: plain, DDP, FSDP2 ``fully_shard``-ed (HSDP included), or FSDP2
+            over the data-parallel dims of a mesh whose other dim is tensor parallel;
+            detected automatically.
         optimizer: any ``torch.optim.Optimizer``.
         scheduler: any LR scheduler; stepped once per optimizer step, never on a skip.
         clip: a clip policy, a list of them (applied in order), or None (no clipping).
@@ -104,29 +106,57 @@ class Stepper:
         self._params = [p for _, p in self._named]
         _validate.check_optimizer_covers(self._named, optimizer)
         self._strategy = strategy_for(model) if strategy is None else strategy
+        self._caps = caps = capabilities(self._strategy)
         self._precision = Precision(
-            precision, self._params, accum_dtype, self._strategy.distributed
-        )
+            precision, self._params, accum_dtype, self._strategy.distributed,
+            self._strategy.all_reduce_sum, self._strategy.world_size,
+        )  # fmt: skip
         self.on_oom = on_oom
         self.split_fn = split_fn or split_in_half
-        self._oom = OOMSplitter(self._strategy, self.split_fn) if on_oom == "split" else None
-        self.norm_in_backward = early_norm.decide(
-            norm_in_backward, self._params, self._strategy, self._precision
+        self._oom = OOMSplitter(caps, self.split_fn) if on_oom == "split" else None
+        self.norm_in_backward = self._early = decide(
+            norm_in_backward, self._params, caps, self._precision
         )
         # Ranks must agree on the window's length before its first forward when forwards
         # communicate (FSDP2's all-gathers), or when on_oom="split" meets the other ranks
         # after every forward and backward: a rank with one micro-batch more would pair
-        # those collectives with the other ranks' reductions and hang.
-        self._agree_first = self._strategy.forward_communicates or (
-            self._oom is not None and self._strategy.agree_ranks > 1
+        # those collectives with the other ranks' reductions and hang. count=fn's
+        # all-reduce carries that agreement when it spans every rank.
+        self._agree_first = caps.forward_communicates or (
+            self._oom is not None and caps.agree_ranks > 1
         )
-        # count=fn's all-reduce carries that agreement when it spans every rank.
-        self._plan_agrees = self._agree_first and self._strategy.agree_ranks == self.world_size
+        self._plan_agrees = self._agree_first and caps.agree_ranks == self.world_size
+        self._loop = self._build_loop()
         self.step_count = 0
         self.skipped_steps = 0
         self.clipped_steps = 0
         self.skip_reasons: Counter[str] = Counter()
         self._warned: set[str] = set()
+
+    def _build_loop(self) -> Loop:
+        """The micro-batch loop, with only the contexts of the features in use."""
+        oom, hooks, precision, caps = self._oom, self.hooks, self._precision, self._caps
+        lend = None
+        if hooks.on_param_grad:
+            targets = lambda: caps.hook_targets(self._named)  # noqa: E731
+            lend = lambda mb, i: hooks.param_grads(self, targets, i)  # noqa: E731
+        guard = (lambda mb, *_: oom.guard(mb)) if oom is not None else None
+        return Loop(
+            self.model,
+            around_window=compose(
+                precision.accumulating if precision.accumulator is not None else None,
+                oom.window if oom is not None else None,
+            ),
+            around_micro_batch=self._strategy.micro_batch if self._strategy.distributed else as_is,
+            around_forward=compose(
+                guard, (lambda mb: precision.autocast()) if precision.dtype is not None else None
+            ),
+            around_backward=compose(guard, lend),
+            backward=precision.backward if precision.scaler is not None else plain_backward,
+            after_micro_batch=[partial(call, self) for call in hooks.on_micro_batch_end],
+            sync_each=self.sync_each_micro_batch,
+            run_window=caps.run_window,
+        )
 
     @property
     def clip(self) -> list[ClipPolicy]:
@@ -145,6 +175,12 @@ class Stepper:
     @property
     def strategy(self) -> Strategy:
         return self._strategy
+
+    @property
+    def capabilities(self) -> Any:
+        """The strategy's optional capabilities, as read when this Stepper was built
+        (:func:`gradstep.parallel.capabilities`)."""
+        return self._caps
 
     @property
     def world_size(self) -> int:
@@ -188,11 +224,20 @@ class Stepper:
         collective). ``LossSum.aux`` terms need it (they are weighted by the window's item
         count); with it ``loss_fn`` may return ``count=None``.
         """
-        micro_batches = self._window(micro_batches, count)
+        _check_window_type(micro_batches)
+        if count is not None and not callable(count):
+            raise TypeError(f"count must be None or a callable, got {type(count).__name__}")
+        if not self.model.training:
+            self._warn_once(
+                "eval",
+                "Stepper.step: the model is in eval mode (dropout and other train-only layers "
+                "are off; from_pretrained returns a model in eval mode): call model.train()",
+            )
         try:
             if self._oom is None:
-                stats = self._step(micro_batches, loss_fn, count)
+                stats = self._step(self._window(micro_batches, count), loss_fn, count)
             else:
+                micro_batches = self._window(self._oom.prepare(micro_batches), count)
                 attempt = lambda mbs: self._step(mbs, loss_fn, count)  # noqa: E731
                 stats = self._oom.run(micro_batches, attempt, self._drop_window)
         except BaseException:
@@ -203,22 +248,12 @@ class Stepper:
         return stats
 
     def _window(self, micro_batches: Iterable[Any], count: Callable | None) -> Iterable[Any]:
-        """The window as the step runs it: checked, halved as far as out-of-memory needed,
-        its length agreed by every rank before the first forward where that matters."""
-        if count is not None and not callable(count):
-            raise TypeError(f"count must be None or a callable, got {type(count).__name__}")
-        if not self.model.training:
-            self._warn_once(
-                "eval",
-                "Stepper.step: the model is in eval mode (dropout and other train-only layers "
-                "are off; from_pretrained returns a model in eval mode): call model.train()",
-            )
-        check_micro_batches(micro_batches)
-        if self._oom is not None:
-            micro_batches = self._oom.prepare(micro_batches)
+        """The window's length agreed by every rank before the first forward, where that
+        matters (the loop checks the window itself)."""
         if self._agree_first and (count is None or not self._plan_agrees):
-            micro_batches = list(micro_batches)
-            self._strategy.check_window(len(micro_batches))
+            if not isinstance(micro_batches, list):
+                micro_batches = list(micro_batches)
+            self._caps.check_window(len(micro_batches))
         return micro_batches
 
     def _drop_window(self) -> None:
@@ -226,7 +261,7 @@ class Stepper:
         backend), no half-done fp16 unscale."""
         self._precision.skip(self.optimizer, overflow=False)
         self.optimizer.zero_grad(set_to_none=True)
-        self._strategy.discard_partial_grads()
+        self._caps.discard_partial_grads()
 
     def _step(
         self, micro_batches: Iterable[Any], loss_fn: LossFn, count: Callable | None
@@ -239,16 +274,19 @@ class Stepper:
             micro_batches = list(micro_batches)
             plan = plan_counts(micro_batches, count, self._strategy, agree=self._plan_agrees)
         tally = Tally(self._strategy, plan)
-        early = EarlyNorm.start(
-            self.norm_in_backward, self._strategy, self._params, self._norm_type
-        )
-        self._loop(loss_fn, early).run(micro_batches, tally)
-        self._precision.unscale(self.optimizer)
-        named_grads = self._precision.named_grads(self._named)
+        early = EarlyNorm.start(self._caps, self._params, self._norm_type) if self._early else None
+        self._loop.run(micro_batches, loss_fn, tally, early.recording if early else NULL)
+        precision = self._precision
+        if precision.scaler is not None:
+            precision.unscale(self.optimizer)
+        if precision.accumulator is not None:
+            named_grads = precision.named_grads(self._named)
+        else:
+            named_grads = [(n, p, p.grad) for n, p in self._named if p.grad is not None]
         grads = [g for _, _, g in named_grads]
-        norm, summed = early_norm.local_part(self._strategy, grads, early, self._norm_type)
+        norm, summed = window_norm(self._strategy, self._caps, grads, early, self._norm_type)
         window = tally.finish(norm, self._norm_type, summed)  # one collective, one host read
-        for key, message in window.traps(self.world_size):
+        for key, message in window.traps:
             self._warn_once(key, message)
         if window.items == 0:
             return self._skip(window, "empty window: 0 items (every label ignored)", math.nan)
@@ -256,69 +294,43 @@ class Stepper:
             # The loss does not depend on any trainable parameter: an update would only
             # apply weight decay. (Under DDP/FSDP2 the backend always leaves gradients.)
             return self._skip(window, "no gradient: the loss does not depend on the model", 0.0)
-        view = self._view(window, grads, named_grads)
         # THE normalisation: sum of per-item gradients -> mean over the global item count,
         # with the backend's average over ranks and the fp16 pre-scale undone. Pending: it
         # is applied to the tensors in the same pass as a norm clip (view.materialize).
-        view.scale_by(self._strategy.grad_divisor / (window.items * self._precision.prescale))
+        scale = self._strategy.grad_divisor / (window.items * precision.prescale)
+        view = GradientView(
+            grads=grads, scale=scale, norm=window.raw_norm * scale, norm_type=self._norm_type,
+            loss=window.loss, step=self.step_count, params=self._named,
+            global_norm=self._global_norm, grad_owners=[(n, p) for n, p, _ in named_grads],
+        )  # fmt: skip
         if not math.isfinite(view.norm):
             return self._skip(window, "non-finite gradient norm", view.norm, overflow=True)
         for call in self.hooks.on_norm:
             call(self, view)
         norm = view.norm
-        decision = apply_policies(self._clip, view)
+        decision = apply_policies(self._clip, view)  # the one multiply, unless a skip
         if decision.skip is not None:
             return self._skip(window, decision.skip, norm, decision)
-        view.materialize()
         return self._update(window, norm, decision, post_clip_norm=view.norm)
 
-    def _view(self, window: Window, grads: list[Any], named_grads: list[Any]) -> GradientView:
-        return GradientView(
-            grads=grads,
-            scale=1.0,
-            norm=window.raw_norm,
-            norm_type=self._norm_type,
-            loss=window.loss,
-            step=self.step_count,
-            params=self._named,
-            global_norm=self._strategy.total_norm,
-            grad_owners=[(name, p) for name, p, _ in named_grads],
-        )
-
-    def _loop(self, loss_fn: LossFn, early: EarlyNorm | None) -> Loop:
-        """The micro-batch loop of this window, with only the contexts in use."""
-        strategy, oom, hooks = self._strategy, self._oom, self.hooks
-        loop = Loop(self.model, loss_fn, self._precision, self._mean_over_ranks)
-        loop.sync_each = self.sync_each_micro_batch
-        if strategy.distributed:
-            loop.sync = strategy.sync
-        if oom is not None:
-            loop.guard, loop.around = oom.guard, oom.window()
-        if self._precision.dtype is not None:
-            loop.autocast = self._precision.autocast
-        if hooks.on_param_grad:
-            targets = lambda: strategy.hook_targets(self._named)  # noqa: E731
-            loop.observe = lambda i: hooks.param_grads(self, targets, i)
-        if early is not None:
-            loop.final = early.hooks
-        loop.on_end = [partial(call, self) for call in hooks.on_micro_batch_end]
-        return loop
-
-    def _mean_over_ranks(self, count: Any) -> float:
-        local = torch.as_tensor(count, dtype=torch.float64).reshape(1).cpu()
-        return float(self._strategy.all_reduce_sum(local)) / self.world_size
+    def _global_norm(self, grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+        return global_norm(self._strategy, self._caps, grads, norm_type)
 
     def _update(
         self, window: Window, norm: float, decision: Decision, post_clip_norm: float
     ) -> StepStats:
         """The optimizer step, the counters, the scheduler step."""
         lr = float(self.optimizer.param_groups[0]["lr"])
-        self._precision.step(self.optimizer)
+        if self._precision.scaler is None and self._precision.accumulator is None:
+            self.optimizer.step()
+        else:
+            self._precision.step(self.optimizer)
         # Counted before the scheduler runs: if it raises, the parameters have moved and
         # the counters say so (the error says the step was taken, the LR did not advance).
         self.step_count += 1
         self.clipped_steps += int(decision.acted)
-        self._precision.end_window(window.micro_batches * self.world_size, window.items)
+        if self._precision.scaler is not None:
+            self._precision.end_window(window.micro_batches * self.world_size, window.items)
         if self.scheduler is not None:
             try:
                 self.scheduler.step()
@@ -328,7 +340,11 @@ class Stepper:
                     "taken: the parameters, optimizer state and step_count include that "
                     f"step, the learning rate was not advanced ({type(exc).__name__}: {exc})"
                 ) from exc
-        return self._stats(window, norm, decision, lr=lr, post_clip_norm=post_clip_norm)
+        return step_stats(
+            window, norm, decision, lr=lr, step=self.step_count,
+            loss_scale=self.loss_scale if self._precision.scaler else None,
+            post_clip_norm=post_clip_norm,
+        )  # fmt: skip
 
     def _skip(
         self,
@@ -344,15 +360,10 @@ class Stepper:
         self.skipped_steps += 1
         self.skip_reasons[reason] += 1
         kept = Decision(detail=decision.detail if decision else [])
-        return self._stats(window, norm, kept, skip_reason=reason)
-
-    def _stats(
-        self, window: Window, norm: float, decision: Decision, lr: float | None = None, **kw: Any
-    ) -> StepStats:
-        lr = float(self.optimizer.param_groups[0]["lr"]) if lr is None else lr
+        lr = float(self.optimizer.param_groups[0]["lr"])
         return step_stats(
-            window, norm, decision, lr=lr, step=self.step_count,
-            loss_scale=self._precision.loss_scale, **kw,
+            window, norm, kept, lr=lr, step=self.step_count,
+            loss_scale=self.loss_scale if self._precision.scaler else None, skip_reason=reason,
         )  # fmt: skip
 
     def _warn_once(self, key: str, message: str) -> None:
@@ -394,6 +405,20 @@ class Stepper:
         for obj, sd in zip(objects, [*clip_states, *hook_states], strict=True):
             if hasattr(obj, "load_state_dict"):
                 obj.load_state_dict(sd)
+
+
+def _check_window_type(micro_batches: Any) -> None:
+    """Refuse what is one batch, not a window of them. A tuple too: (inputs, targets) is
+    the usual shape of ONE batch, and iterating it would run the inputs and the targets
+    as two micro-batches."""
+    if isinstance(micro_batches, (dict, torch.Tensor, tuple, str, bytes)) or not isinstance(
+        micro_batches, Iterable
+    ):
+        raise TypeError(
+            "micro_batches must be an iterable of micro-batches forming one window (a list "
+            f"or a generator; not a tuple or a string), got a {type(micro_batches).__name__}; "
+            "wrap a single batch in a list: stepper.step([batch], loss_fn)"
+        )
 
 
 def _state_of(obj: Any) -> dict[str, Any]:
