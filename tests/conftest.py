@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # starts a Python process, so the fast loop cannot silently slow down again.
 INTEGRATION_MODULES = (
     "tests/test_examples.py",  # examples/*.py run end to end
-    "tests/memory/test_real_oom.py",  # a child process that really runs out of memory
+    "tests/step/test_real_oom.py",  # a child process that really runs out of memory
     "tests/cli/test_export.py",  # CLI training runs, then exports
     "tests/cli/test_export_runs.py",
     "tests/cli/test_export_newest.py",
@@ -62,8 +62,8 @@ INTEGRATION_TESTS = (
     "test_a_full_disk_is_one_checkpoint_error_naming_the_file",
     "tests/checkpoint/test_names_and_full_disk.py::"
     "test_a_read_only_checkpoint_folder_is_one_checkpoint_error",
-    "tests/cli/test_boundary.py::test_python_m_gradstep_without_the_demo_extra_says_what_to_install",
-    "tests/cli/test_boundary.py::test_the_library_imports_every_module_without_the_demo_extra",
+    "tests/cli/test_boundary.py::test_python_m_gradstep_without_the_cli_extra_says_what_to_install",
+    "tests/cli/test_boundary.py::test_the_library_imports_every_module_without_the_cli_extra",
     "tests/cli/test_cli.py::test_train_end_to_end",
     "tests/cli/test_cli.py::test_toml_config_with_flag_override",
     "tests/cli/test_cli.py::test_python_dash_m_entry_point",
@@ -94,9 +94,9 @@ INTEGRATION_TESTS = (
     "tests/hf/test_loss.py::test_import_gradstep_without_transformers",
     "tests/memory/test_probe.py::test_real_cpu_probe_grows_with_b_and_keeps_the_budget",
     "tests/optim/test_api.py::test_demo_trains_with_lamb_and_refuses_another_optimizer_on_resume",
-    "tests/policies/test_adaptive.py::test_cli_adaptive_clip_and_spike_guard_reach_metrics",
-    "tests/test_aux.py::test_aux_gradient_on_two_ranks_equals_one_process",
-    "tests/test_early_norm.py::test_two_ranks_same_norm_as_after_backward",
+    "tests/policies/test_cli.py::test_cli_adaptive_clip_and_spike_guard_reach_metrics",
+    "tests/step/test_aux.py::test_aux_gradient_on_two_ranks_equals_one_process",
+    "tests/step/test_norm.py::test_two_ranks_same_norm_as_after_backward",
     "tests/test_gns.py::test_two_ddp_ranks_measure_the_exact_noise_scale",
     "tests/test_gns.py::test_two_ranks_estimate_what_one_process_does_on_the_same_window",
     "tests/test_metrics.py::test_a_full_disk_names_the_metrics_file",

@@ -147,6 +147,20 @@ def check_stepper_args(
         raise TypeError(f"split_fn must be None or a callable, got {type(split_fn).__name__}")
 
 
+def check_stepper_state(state: Any, clip: list, hooks: list) -> tuple[list, list]:
+    """A ``Stepper.state_dict()`` that fits this Stepper: its clip policies' and hooks'
+    states, checked in number and (policies) class before anything is loaded."""
+    counters = ("step_count", "skipped_steps", "clipped_steps")
+    missing = [k for k in counters if k not in state] if isinstance(state, dict) else counters
+    if missing:
+        raise ValueError(f"Stepper.load_state_dict: not a Stepper state (missing {missing})")
+    clip_states, hook_states = state.get("clip", []), state.get("hooks", [])
+    check_state_count("clip policies", "clip", clip_states, clip)
+    check_state_types(state.get("clip_types"), clip)
+    check_state_count("hooks", "hooks", hook_states, hooks)
+    return clip_states, hook_states
+
+
 def check_state_count(what: str, arg: str, saved: list, mine: list) -> None:
     if len(saved) != len(mine):
         raise ValueError(

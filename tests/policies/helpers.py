@@ -1,4 +1,4 @@
-"""Helpers of tests/policies/test_adaptive.py: a one-parameter harness, plain references.
+"""Helpers of the clip policies' tests: a one-parameter harness, plain references.
 
 The scalar model's gradient IS a chosen number (loss = w * g, loss value = the offset), so
 a step's global norm is g and, with SGD(lr=1), the clipped gradient is the parameter change.

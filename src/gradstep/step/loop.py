@@ -22,7 +22,16 @@ from torch import nn
 from .loss import LossSum, check_loss_sum
 from .tally import Tally
 
-__all__ = ["NULL", "Loop", "as_is", "compose", "mark_last", "off", "plain_backward", "windows"]
+__all__ = [
+    "NULL",
+    "Loop",
+    "check_micro_batches",
+    "compose",
+    "mark_last",
+    "off",
+    "plain_backward",
+    "windows",
+]
 
 NULL = contextlib.nullcontext()
 """The context of a feature that is off: one shared no-op."""
@@ -52,6 +61,22 @@ def _windows(it: Iterator[T], size: int) -> Iterator[list[T]]:
             return
 
 
+def check_micro_batches(micro_batches: Any, count: Any = None) -> None:
+    """Refuse what is one batch, not a window of them. A tuple too: (inputs, targets) is
+    the usual shape of ONE batch, and iterating it would run the inputs and the targets
+    as two micro-batches. ``count``: None or ``step(..., count=fn)``'s callable."""
+    if count is not None and not callable(count):
+        raise TypeError(f"count must be None or a callable, got {type(count).__name__}")
+    if isinstance(micro_batches, (dict, torch.Tensor, tuple, str, bytes)) or not isinstance(
+        micro_batches, Iterable
+    ):
+        raise TypeError(
+            "micro_batches must be an iterable of micro-batches forming one window (a list "
+            f"or a generator; not a tuple or a string), got a {type(micro_batches).__name__}; "
+            "wrap a single batch in a list: stepper.step([batch], loss_fn)"
+        )
+
+
 def mark_last(iterable: Iterable[T]) -> Iterator[tuple[bool, T]]:
     """Yield (is_last, item), looking one ahead so the last is known before its forward."""
     it = iter(iterable)
@@ -68,11 +93,6 @@ def mark_last(iterable: Iterable[T]) -> Iterator[tuple[bool, T]]:
 def off(*_: Any) -> contextlib.AbstractContextManager[None]:
     """A context that is off, whatever it is called with."""
     return NULL
-
-
-def as_is(micro_batch: Any, is_last: bool) -> contextlib.AbstractContextManager[Any]:
-    """A micro-batch context that runs the micro-batch as it is (one process)."""
-    return contextlib.nullcontext(micro_batch)
 
 
 def compose(*contexts: Context | None) -> Context:

@@ -30,7 +30,7 @@ from ..parallel import Strategy, capabilities, strategy_for
 from ..policies import ClipNorm, ClipPolicy, GradientView, as_policies
 from ..policies.base import Decision, apply_policies, norm_type_of
 from .hooks import Hooks
-from .loop import NULL, Loop, as_is, compose, plain_backward, windows
+from .loop import NULL, Loop, check_micro_batches, compose, plain_backward, windows
 from .loss import LossSum
 from .norm import EarlyNorm, decide, global_norm, window_norm
 from .oom import ON_OOM, OOMSplitter, SplitFn, split_in_half
@@ -147,7 +147,7 @@ class Stepper:
                 precision.accumulating if precision.accumulator is not None else None,
                 oom.window if oom is not None else None,
             ),
-            around_micro_batch=self._strategy.micro_batch if self._strategy.distributed else as_is,
+            around_micro_batch=self._strategy.micro_batch,
             around_forward=compose(
                 guard, (lambda mb: precision.autocast()) if precision.dtype is not None else None
             ),
@@ -224,9 +224,7 @@ class Stepper:
         collective). ``LossSum.aux`` terms need it (they are weighted by the window's item
         count); with it ``loss_fn`` may return ``count=None``.
         """
-        _check_window_type(micro_batches)
-        if count is not None and not callable(count):
-            raise TypeError(f"count must be None or a callable, got {type(count).__name__}")
+        check_micro_batches(micro_batches, count)
         if not self.model.training:
             self._warn_once(
                 "eval",
@@ -248,8 +246,7 @@ class Stepper:
         return stats
 
     def _window(self, micro_batches: Iterable[Any], count: Callable | None) -> Iterable[Any]:
-        """The window's length agreed by every rank before the first forward, where that
-        matters (the loop checks the window itself)."""
+        """The window's length agreed by every rank before its first forward, where needed."""
         if self._agree_first and (count is None or not self._plan_agrees):
             if not isinstance(micro_batches, list):
                 micro_batches = list(micro_batches)
@@ -301,7 +298,8 @@ class Stepper:
         view = GradientView(
             grads=grads, scale=scale, norm=window.raw_norm * scale, norm_type=self._norm_type,
             loss=window.loss, step=self.step_count, params=self._named,
-            global_norm=self._global_norm, grad_owners=[(n, p) for n, p, _ in named_grads],
+            global_norm=partial(global_norm, self._strategy, self._caps),
+            grad_owners=[(n, p) for n, p, _ in named_grads],
         )  # fmt: skip
         if not math.isfinite(view.norm):
             return self._skip(window, "non-finite gradient norm", view.norm, overflow=True)
@@ -312,9 +310,6 @@ class Stepper:
         if decision.skip is not None:
             return self._skip(window, decision.skip, norm, decision)
         return self._update(window, norm, decision, post_clip_norm=view.norm)
-
-    def _global_norm(self, grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-        return global_norm(self._strategy, self._caps, grads, norm_type)
 
     def _update(
         self, window: Window, norm: float, decision: Decision, post_clip_norm: float
@@ -340,11 +335,7 @@ class Stepper:
                     "taken: the parameters, optimizer state and step_count include that "
                     f"step, the learning rate was not advanced ({type(exc).__name__}: {exc})"
                 ) from exc
-        return step_stats(
-            window, norm, decision, lr=lr, step=self.step_count,
-            loss_scale=self.loss_scale if self._precision.scaler else None,
-            post_clip_norm=post_clip_norm,
-        )  # fmt: skip
+        return self._stats(window, norm, decision, lr, post_clip_norm=post_clip_norm)
 
     def _skip(
         self,
@@ -361,10 +352,13 @@ class Stepper:
         self.skip_reasons[reason] += 1
         kept = Decision(detail=decision.detail if decision else [])
         lr = float(self.optimizer.param_groups[0]["lr"])
+        return self._stats(window, norm, kept, lr, skip_reason=reason)
+
+    def _stats(self, window: Window, norm: float, decision: Decision, lr: float, **kw: Any):
+        scale = self.loss_scale if self._precision.scaler is not None else None
         return step_stats(
-            window, norm, kept, lr=lr, step=self.step_count,
-            loss_scale=self.loss_scale if self._precision.scaler else None, skip_reason=reason,
-        )  # fmt: skip
+            window, norm, decision, lr=lr, step=self.step_count, loss_scale=scale, **kw
+        )
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -386,14 +380,9 @@ class Stepper:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        counters = ("step_count", "skipped_steps", "clipped_steps")
-        missing = [k for k in counters if k not in state] if isinstance(state, dict) else counters
-        if missing:
-            raise ValueError(f"Stepper.load_state_dict: not a Stepper state (missing {missing})")
-        clip_states, hook_states = state.get("clip", []), state.get("hooks", [])
-        _validate.check_state_count("clip policies", "clip", clip_states, self._clip)
-        _validate.check_state_types(state.get("clip_types"), self._clip)
-        _validate.check_state_count("hooks", "hooks", hook_states, self.hooks.items)
+        clip_states, hook_states = _validate.check_stepper_state(
+            state, self._clip, self.hooks.items
+        )
         self.step_count = int(state["step_count"])
         self.skipped_steps = int(state["skipped_steps"])
         self.clipped_steps = int(state["clipped_steps"])
@@ -405,20 +394,6 @@ class Stepper:
         for obj, sd in zip(objects, [*clip_states, *hook_states], strict=True):
             if hasattr(obj, "load_state_dict"):
                 obj.load_state_dict(sd)
-
-
-def _check_window_type(micro_batches: Any) -> None:
-    """Refuse what is one batch, not a window of them. A tuple too: (inputs, targets) is
-    the usual shape of ONE batch, and iterating it would run the inputs and the targets
-    as two micro-batches."""
-    if isinstance(micro_batches, (dict, torch.Tensor, tuple, str, bytes)) or not isinstance(
-        micro_batches, Iterable
-    ):
-        raise TypeError(
-            "micro_batches must be an iterable of micro-batches forming one window (a list "
-            f"or a generator; not a tuple or a string), got a {type(micro_batches).__name__}; "
-            "wrap a single batch in a list: stepper.step([batch], loss_fn)"
-        )
 
 
 def _state_of(obj: Any) -> dict[str, Any]:

@@ -324,3 +324,19 @@ def test_two_ranks_agree_on_aux_names_and_take_the_mean_over_every_micro_batch()
         assert res["aux"] == pytest.approx(aux.item(), rel=EXACT)
         for got, p in zip(res["update"], ref.parameters(), strict=True):
             torch.testing.assert_close(got, p.grad, rtol=EXACT, atol=EXACT)
+
+
+@given(sizes=st.lists(st.integers(1, 4), min_size=1, max_size=6))
+def test_named_slots_read_back_what_each_part_put_in(sizes: list[int]) -> None:
+    """The window's reduced vector is read by name: each slot returns exactly its part
+    (a number for a one-entry part, a list otherwise), whatever the parts' sizes."""
+    from gradstep.step.tally import Slots
+
+    parts = {
+        f"p{i}": torch.arange(n, dtype=torch.float64) + 10 * i for i, n in enumerate(sizes)
+    }
+    got = Slots.of(parts).read(torch.cat(list(parts.values())).tolist())
+    assert list(got) == list(parts)
+    for name, part in parts.items():
+        want = part.tolist()
+        assert got[name] == (want[0] if len(want) == 1 else want)
