@@ -5,9 +5,10 @@
 1.27M parameters), laid out by ``gradstep.parallel.prepare_model(model, "fsdp", ...)``:
 
 - ``fsdp``: FSDP2 over all 4 ranks (a 1-D mesh);
-- ``hsdp``: HSDP, ``hsdp=2`` (replicate 2 x shard 2);
-- ``fsdp_tp``: FSDP2 + tensor parallel, ``tp=2`` with ``gradstep_cli.models.parallel_plan.
-  gpt_tp_plan()`` (dp 2 x tp 2; the tp peers of a data rank read the same micro-batches).
+- ``hsdp``: HSDP, ``layout=Layout(dp_replicate=2)`` (dp_replicate 2 x dp_shard 2);
+- ``fsdp_tp``: FSDP2 + tensor parallel, ``layout=Layout(tp=2)`` with
+  ``gradstep_cli.models.parallel_plan.gpt_tp_plan()`` (dp_shard 2 x tp 2; the tp peers of a
+  data rank read the same micro-batches).
 
 Each data rank steps k micro-batches of random variable-length rows (-100 label padding,
 different token counts per data rank), ClipNorm + AdamW. Per layout two models from one
@@ -109,16 +110,21 @@ def build(layout: str, cfg: LayoutsConfig) -> nn.Module:
     from gradstep_cli.models.parallel_plan import gpt_tp_plan
 
     torch.manual_seed(cfg.seed)
-    kw: dict[str, Any] = {"hsdp": {"hsdp": 2}, "fsdp_tp": {"tp": 2, "tp_plan": gpt_tp_plan()}}
+    kw: dict[str, Any] = {
+        "hsdp": {"layout": gd.Layout(dp_replicate=2)},
+        "fsdp_tp": {"layout": gd.Layout(tp=2), "tp_plan": gpt_tp_plan()},
+    }
     return gd.prepare_model(GPT(GPTConfig(max_seq_len=cfg.seq_len)), "fsdp", **kw.get(layout, {}))
 
 
 def dp_of(model: nn.Module) -> tuple[Any, int]:
-    """(the data-parallel group, its size): the world, or the dp dim of a (dp, tp) mesh."""
+    """(the data-parallel group, its size): the world, or the dp dim of a (dp_shard, tp)
+    mesh."""
     for p in model.parameters():
         names = getattr(getattr(p, "device_mesh", None), "mesh_dim_names", None) or ()
         if "tp" in names:
-            return p.device_mesh["dp"].get_group(), p.device_mesh["dp"].size()
+            dp = p.device_mesh["dp_shard"]
+            return dp.get_group(), dp.size()
     return None, dist.get_world_size()
 
 

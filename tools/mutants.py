@@ -81,14 +81,14 @@ MUTATIONS = [
                 "grad_divisor / (window.micro_batches * precision.prescale)",
             )
         ],
-        "tests/test_stepper.py",
+        "tests/step/test_stepper.py",
     ),
     m(
         "M2",
         "skip the scheduler step",
         STEP,
         [("                self.scheduler.step()\n", "                pass\n")],
-        "tests/test_stepper.py tests/checkpoint/test_checkpoint.py",
+        "tests/step/test_stepper.py tests/checkpoint/test_checkpoint.py",
     ),
     m(
         "M3",
@@ -107,7 +107,7 @@ MUTATIONS = [
                 "        if precision.scaler is not None:\n            precision.unscale(self.optimizer)\n",
             ),
         ],
-        "tests/test_precision.py",
+        "tests/step/test_precision.py",
     ),
     m(
         "M4",
@@ -145,7 +145,7 @@ MUTATIONS = [
         "ZClip updates its EMA with the unclipped norm",
         "gradstep/policies/zclip.py",
         [("g_star = g if target is None else min(g, target)", "g_star = g")],
-        "tests/policies/test_adaptive.py",
+        "tests/policies",
     ),
     m(
         "M7",
@@ -166,14 +166,14 @@ MUTATIONS = [
         "AGC excludes nothing",
         "gradstep/policies/agc.py",
         [(" if name not in self.exclude]", "]")],
-        "tests/policies/test_adaptive.py",
+        "tests/policies",
     ),
     m(
         "P1",
         "fp32 accumulation buffers not reset between steps",
         PREC,
         [("        self._written.clear()\n", "")],
-        "tests/test_precision.py",
+        "tests/step/test_precision.py",
     ),
     m(
         "P2",
@@ -185,7 +185,7 @@ MUTATIONS = [
     m(
         "P3",
         "FSDP2 bf16 reduces gradients in bf16",
-        "gradstep/parallel/setup.py",
+        "gradstep/parallel/registry.py",  # re-expressed (issue 29): moved from setup.py
         [("reduce_dtype=torch.float32)", "reduce_dtype=torch.bfloat16)")],
         DIST,
     ),
@@ -233,7 +233,7 @@ MUTATIONS = [
                 "        for call in self.hooks.on_step_end if not stats.skipped else ():\n",
             )
         ],
-        "tests/test_hooks.py",
+        "tests/step/test_hooks.py",
     ),
     m(
         "N2",
@@ -283,14 +283,14 @@ MUTATIONS = [
                 "        self._norm_type = getattr(self, '_norm_type', None) or norm_type_of(",
             )
         ],
-        "tests/test_hooks.py",
+        "tests/step/test_hooks.py",
     ),
     m(
         "N8",
         "the optimizer-covers-the-model check removed",
         STEP,
         [("        _validate.check_optimizer_covers(self._named, optimizer)\n", "")],
-        "tests/test_input_checks.py",
+        "tests/step/test_input_checks.py",
     ),
     m(
         "N9",
@@ -335,7 +335,7 @@ MUTATIONS = [
                 "            failed = failed",
             )
         ],
-        "tests/test_oom.py",
+        "tests/step/test_oom.py",
     ),
     m(
         "N12",
@@ -356,8 +356,10 @@ MUTATIONS = [
         "N16",
         "noise scale on several ranks: this rank's micro-batch norms only",
         "gradstep/gns.py",
-        # re-expressed (issue 23): the sums now run over every rank, copies divided out.
-        [("(caps.agree_sum(local) / copies).unbind()", "(local / copies).unbind()")],
+        # re-expressed (issue 23): the sums now run over every rank, copies divided out;
+        # (issue 29): the squares counted once by parallel.dtensor.counted, the sizes divided
+        # by the peers sharing them.
+        [("(caps.agree_sum(local) / shared).unbind()", "(local / shared).unbind()")],
         "tests/test_gns.py",
     ),
     m(
@@ -389,7 +391,7 @@ MUTATIONS = [
                 "        return sum(loss.aux[n] for n in names)",
             )
         ],
-        "tests/test_aux.py",
+        "tests/step/test_aux.py",
     ),
     m(
         "N20",
@@ -398,7 +400,7 @@ MUTATIONS = [
         # collective (early_norm.local_part says whether it is still to be summed).
         "gradstep/step/norm.py",
         [("    return local * caps.norm_weight, True\n", "    return local, early is None\n")],
-        "tests/test_early_norm.py",
+        "tests/step/test_norm.py",
     ),
     m(
         "N21",
@@ -412,7 +414,32 @@ MUTATIONS = [
                 "    yield\n    if True:\n        for h in held:\n",
             )
         ],
-        "tests/test_early_norm.py",
+        "tests/step/test_norm.py",
+    ),
+    m(
+        "N22",
+        "HSDP + tensor parallel: items and losses summed over one replica's shard group, not "
+        "over replicate x shard (issue 29)",
+        "gradstep/parallel/tensor_parallel.py",
+        [
+            (
+                "    return info.mesh._flatten().get_group()\n",
+                "    return info.shard_process_group\n",
+            )
+        ],
+        "tests/parallel/test_tensor_parallel.py",
+    ),
+    m(
+        "N23",
+        "Layout: dp_shard=-1 takes every rank, not the ranks the other sizes leave (issue 29)",
+        "gradstep/parallel/layout.py",
+        [
+            (
+                "dataclasses.replace(self, dp_shard=world // fixed)",
+                "dataclasses.replace(self, dp_shard=world)",
+            )
+        ],
+        "tests/parallel/test_layout.py",
     ),
     # --- held-out audit 2 (derived from the code only)
     m(
@@ -922,11 +949,13 @@ MUTATIONS = [
     m(
         "H1",
         "TP norm: a parameter on the dp mesh alone (copied across tp) counts on every tp rank",
-        "gradstep/parallel/tensor_parallel.py",
+        # re-expressed (issue 29): the strategy's counted() became the one public rule,
+        # parallel.dtensor.counted: a first copy counts mesh size / ranks, here 1 everywhere.
+        "gradstep/parallel/dtensor.py",
         [
             (
-                "        return first_copy(t) and self._first_on_model_dims",
-                "        return first_copy(t)",
+                "    return size / ranks if first_copy(t) else 0.0",
+                "    return 1.0 if first_copy(t) else 0.0",
             )
         ],
         "tests",
@@ -946,8 +975,19 @@ MUTATIONS = [
     m(
         "H3",
         "HSDP mesh built (shard, replicate) instead of (replicate=R, shard=W/R)",
-        "gradstep/parallel/layouts.py",
-        [("        shape = (hsdp, world // hsdp)", "        shape = (world // hsdp, hsdp)")],
+        # re-expressed (issue 29): layouts.py -> layout.py, the mesh's sizes are Layout.dims
+        "gradstep/parallel/layout.py",
+        [
+            (
+                '            out.append(("dp_replicate", self.dp_replicate))',
+                '            out.append(("dp_replicate", self.dp_shard))',
+            ),
+            (
+                '        out.append(("dp_shard", self.dp_shard))',
+                '        out.append(("dp_shard", self.dp_replicate if self.dp_replicate > 1 '
+                "else self.dp_shard))",
+            ),
+        ],
         "tests",
     ),
     m(
@@ -1091,11 +1131,13 @@ MUTATIONS = [
     m(
         "H15",
         "dp_size read from FSDP2's shard group: an HSDP run records one replica's ranks",
-        "gradstep/checkpoint/elastic.py",
+        # re-expressed (issue 29): data_parallel_size is Layout.of(model).dp_size; the bug is
+        # a layout read without its replicas
+        "gradstep/parallel/layout.py",
         [
             (
-                "    size = world if info is None else int(info.mesh.size())",
-                "    size = world if info is None else int(info.shard_process_group.size())",
+                "        return cls(dp_replicate=replicas, dp_shard=dp // replicas, tp=max(tp, 1))",
+                "        return cls(dp_replicate=1, dp_shard=dp // replicas, tp=max(tp, 1))",
             )
         ],
         "tests",
@@ -1329,7 +1371,8 @@ MUTATIONS = [
         "gradstep/memory/states.py",
         [
             (
-                "    return shape, world // (max(tp, own or 1) * hsdp)",
+                # re-expressed (issue 29): the replicas come from a Layout
+                "    return shape, world // (max(tp, own or 1) * replicas)",
                 "    return shape, world // max(tp, own or 1)",
             )
         ],

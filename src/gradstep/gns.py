@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ._validate import check_number
-from .parallel.dtensor import first_copy, norm32, to_local
+from .parallel.dtensor import counted, norm32, to_local
 from .policies import GradientView
 
 __all__ = ["GradientNoiseScale"]
@@ -68,7 +68,7 @@ class GradientNoiseScale:
     def on_param_grad(
         self, stepper: Any, index: int, name: str, param: nn.Parameter, grad: torch.Tensor
     ) -> None:
-        self._norms.append(_counted_square(grad))
+        self._norms.append(_counted_square(grad, _peers(stepper)))
 
     def on_micro_batch_end(self, stepper: Any, index: int, is_last: bool, loss: Any) -> None:
         if self._norms:
@@ -84,11 +84,11 @@ class GradientNoiseScale:
         dev = grads[0].device if grads else torch.device("cpu")
         sums = (self._sq_sum, self._n_sq_sum, self._n_sum)
         local = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=dev) for v in sums])
-        # Over every rank: the squares count each micro-batch gradient ``copies`` times
-        # (see _counted_square), and so do the sizes, which tensor-parallel peers share.
-        caps = stepper.capabilities
-        copies = caps.agree_ranks // stepper.world_size
-        sq_sum, n_sq_sum, n = (caps.agree_sum(local) / copies).unbind()
+        # Over every rank: the squares count each micro-batch gradient once (see
+        # _counted_square); the sizes ``peers`` times: tensor-parallel peers share them.
+        caps, peers = stepper.capabilities, _peers(stepper)
+        shared = torch.tensor([1.0, peers, peers], dtype=torch.float64, device=dev)
+        sq_sum, n_sq_sum, n = (caps.agree_sum(local) / shared).unbind()
         window_sq = (n * view.total_norm(2.0)) ** 2  # |s|^2: the window's gradient sum
         denom = n * n - n_sq_sum
         grad_sq = (window_sq - sq_sum) / denom
@@ -179,19 +179,25 @@ class GradientNoiseScale:
         self._pending: torch.Tensor | None = None
 
 
-def _counted_square(grad: torch.Tensor) -> torch.Tensor:
-    """This rank's share of the squared norm of one micro-batch gradient (float64), such
-    that the shares summed over every rank are ``copies`` times the sum over the
-    data-parallel ranks of the whole gradients' squared norms, ``copies`` being the ranks
-    per data-parallel rank (``agree_ranks / world_size``: 1 unless tensor parallel).
+def _peers(stepper: Any) -> int:
+    """The ranks that share one micro-batch: 1, or the tensor-parallel peers of a data rank
+    (every rank over the data-parallel ones)."""
+    return stepper.capabilities.agree_ranks // stepper.world_size
 
-    Tensor-parallel peers hold one micro-batch gradient between them: a plain tensor (a
-    parameter outside the tensor-parallel plan, or no tensor parallelism) is a whole copy
-    on each of them; a DTensor on the tensor-parallel mesh of ``m`` ranks is split over
-    its ``Shard`` dims and copied along its ``Replicate`` dims, so its first copy counts
-    ``m`` times. A ``Partial`` one (a sequence-parallel norm's weight: each rank's part of
-    a sum) is reduced first, a collective of its mesh inside the backward, which every
-    peer runs at the same point of the same graph.
+
+def _counted_square(grad: torch.Tensor, peers: int) -> torch.Tensor:
+    """This rank's share of the squared norm of one micro-batch gradient (float64), such
+    that the shares summed over every rank are the sum over the data-parallel ranks of the
+    whole gradients' squared norms.
+
+    The ``peers`` ranks of a data rank (tensor-parallel peers: 1 without tensor parallel)
+    hold one micro-batch gradient between them: a plain tensor (a parameter outside the
+    tensor-parallel plan, or no tensor parallelism) is a whole copy on each of them; a
+    DTensor on the tensor-parallel mesh is split over its ``Shard`` dims and copied along
+    its ``Replicate`` dims. :func:`~gradstep.parallel.dtensor.counted` weighs each part
+    so that the peers count it once. A ``Partial`` one (a sequence-parallel norm's weight:
+    each rank's part of a sum) is reduced first, a collective of its mesh inside the
+    backward, which every peer runs at the same point of the same graph.
     """
     mesh = getattr(grad, "device_mesh", None)
     if mesh is not None:
@@ -201,8 +207,8 @@ def _counted_square(grad: torch.Tensor) -> torch.Tensor:
 
             whole = [Replicate() if pl.is_partial() else pl for pl in placements]
             grad = grad.redistribute(mesh, whole)  # type: ignore[attr-defined]
-        if not first_copy(grad):
-            return torch.zeros((), dtype=torch.float64, device=to_local(grad).device)
+    weight = counted(grad, peers)
+    if not weight:
+        return torch.zeros((), dtype=torch.float64, device=to_local(grad).device)
     # At least float32, without a float32 copy of a half-precision gradient.
-    square = norm32(to_local(grad)).double().square()
-    return square * mesh.size() if mesh is not None else square
+    return norm32(to_local(grad)).double().square() * weight

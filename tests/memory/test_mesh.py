@@ -1,13 +1,14 @@
-"""The analytic model on 2-D meshes: HSDP (``hsdp=R``) and FSDP2 + tensor parallel
-(``tp=N``), by hand on the tiny decoder of test_model.py (2 blocks, d=8, 2 heads, d_ff=16,
-vocab 16, seq_len 4, P = 1232; per block qkv 24x8, attn out 8x8, fc 16x8, mlp out 8x16,
-four (8,) norm tensors).
+"""The analytic model on multi-dimensional meshes: HSDP (``layout=Layout(dp_replicate=R)``),
+FSDP2 + tensor parallel (``Layout(tp=N)``) and both, by hand on the tiny decoder of
+test_model.py (2 blocks, d=8, 2 heads, d_ff=16, vocab 16, seq_len 4, P = 1232; per block
+qkv 24x8, attn out 8x8, fc 16x8, mlp out 8x16, four (8,) norm tensors).
 
 With ``tp=2`` one rank holds qkv 12x8, attn out 8x4, fc 8x8, mlp out 8x8 (288 numbers per
 block with the norms), FSDP2 halves that over the 2 data-parallel ranks of 4 (144 per
 block), and the embedding (16x8) and final norm are sharded over those 2 only (72): 360
 per rank, against 308 for plain FSDP2 over 4 ranks and 616 over 2. HSDP over 4 ranks in
-2 replicas is FSDP2 over 2 ranks, byte for byte.
+2 replicas is FSDP2 over 2 ranks, byte for byte, and HSDP + tensor parallel over 8 ranks in 2
+replicas is FSDP2 + tensor parallel over 4.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from hypothesis import strategies as st
 from gradstep.memory import HFShape, TransformerShape, estimate_step_memory
 from gradstep.memory.activations import _Bytes
 from gradstep.memory.model import per_token_terms
+from gradstep.parallel import Layout
 
 TINY = TransformerShape(n_layer=2, d_model=8, n_head=2, vocab_size=16, seq_len=4, d_ff=16)
 P, F32 = 1232, 4
@@ -32,7 +34,7 @@ def est(world: int, **kw: object) -> object:
 
 
 def test_tensor_parallel_splits_the_block_states_and_fsdp_shards_over_the_data_ranks() -> None:
-    tp = est(4, tp=2)
+    tp = est(4, layout=Layout(tp=2))
     assert tp.params == tp.grads == 360 * F32
     assert tp.optimizer == 2 * 360 * F32  # AdamW's two states of what this rank holds
     assert est(4).params == 308 * F32 and est(2).params == P // 2 * F32
@@ -54,7 +56,7 @@ def test_tensor_parallel_splits_the_activations_inside_attention_and_the_mlp() -
         per_token_terms(dataclasses.replace(TINY, tp=2), b)["head"]
         == (per_token_terms(TINY, b)["head"])
     )
-    assert est(4, tp=2).activations < est(2).activations
+    assert est(4, layout=Layout(tp=2)).activations < est(2).activations
 
 
 @given(
@@ -66,11 +68,17 @@ def test_tensor_parallel_splits_the_activations_inside_attention_and_the_mlp() -
 def test_hsdp_is_fsdp2_over_the_ranks_of_one_replica(
     replicas: int, mbs: int, checkpointing: bool, accum: int | None
 ) -> None:
-    """HSDP over 8 ranks in R replicas holds what FSDP2 over 8 / R ranks holds."""
+    """HSDP over 8 ranks in R replicas holds what FSDP2 over 8 / R ranks holds, with tensor
+    parallel too (a 3-D mesh)."""
     kw = {"activation_checkpointing": checkpointing, "accum_steps": accum, "sharded": True}
-    hsdp = estimate_step_memory(TINY, mbs, world_size=8, hsdp=replicas, **kw)
+    hsdp = estimate_step_memory(TINY, mbs, world_size=8, layout=Layout(dp_replicate=replicas), **kw)
     assert hsdp == estimate_step_memory(TINY, mbs, world_size=8 // replicas, **kw)
     assert hsdp.total > estimate_step_memory(TINY, mbs, world_size=8, **kw).total
+    both = Layout(dp_replicate=replicas, tp=2)
+    one_replica = estimate_step_memory(
+        TINY, mbs, world_size=8 // replicas, layout=Layout(tp=2), **kw
+    )
+    assert estimate_step_memory(TINY, mbs, world_size=8, layout=both, **kw) == one_replica
 
 
 @given(mbs=st.integers(1, 8), checkpointing=st.booleans(), world=st.sampled_from([2, 4, 8]))
@@ -82,7 +90,7 @@ def test_more_tensor_parallel_ranks_never_need_more_memory_per_rank(
     shape = TransformerShape(n_layer=2, d_model=16, n_head=4, vocab_size=16, seq_len=8)
     kw = {"activation_checkpointing": checkpointing, "sharded": True}
     one = estimate_step_memory(shape, mbs, world_size=world, **kw)
-    two = estimate_step_memory(shape, mbs, world_size=2 * world, tp=2, **kw)
+    two = estimate_step_memory(shape, mbs, world_size=2 * world, layout=Layout(tp=2), **kw)
     for part in ("params", "grads", "optimizer", "activations", "unsharded_block"):
         assert getattr(two, part) <= getattr(one, part), part
     assert two.total < one.total
@@ -91,12 +99,17 @@ def test_more_tensor_parallel_ranks_never_need_more_memory_per_rank(
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"world_size": 4, "tp": 2}, "tp=2 models FSDP2 on a 2-D mesh: it needs sharded=True"),
-        ({"world_size": 3, "tp": 2, "sharded": True}, "tp=2 must divide world_size (3)"),
-        ({"world_size": 4, "hsdp": 0, "sharded": True}, "hsdp must be an int >= 1, got 0"),
-        ({"world_size": 4, "tp": 2, "hsdp": 2, "sharded": True}, "do not combine"),
+        ({"world_size": 4, "layout": Layout(tp=2)},
+         "layout=Layout(tp=2) models FSDP2 on a multi-dimensional mesh: it needs sharded=True"),
+        ({"world_size": 4, "layout": Layout(dp_replicate=2)}, "it needs sharded=True"),
+        ({"world_size": 3, "layout": Layout(tp=2), "sharded": True},
+         "Layout(tp=2) does not fit 3 ranks: tp=2 must divide the number of ranks (3)"),
+        ({"world_size": 4, "layout": Layout(dp_replicate=2, tp=4), "sharded": True},
+         "dp_replicate=2 x tp=4 = 8 must divide the number of ranks (4)"),
+        ({"world_size": 4, "layout": {"tp": 2}, "sharded": True},
+         "layout must be a gradstep.parallel.Layout or None, got dict"),
     ],
-)
+)  # fmt: skip
 def test_mesh_arguments_are_checked(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         estimate_step_memory(TINY, 1, **kwargs)
@@ -107,4 +120,4 @@ def test_tp_needs_whole_heads_and_a_transformer_shape() -> None:
         dataclasses.replace(TINY, tp=4)
     hf = HFShape.__new__(HFShape)  # any HFShape: refused before it is read
     with pytest.raises(ValueError, match="tp is modelled for a TransformerShape"):
-        estimate_step_memory(hf, 1, world_size=4, sharded=True, tp=2)
+        estimate_step_memory(hf, 1, world_size=4, sharded=True, layout=Layout(tp=2))

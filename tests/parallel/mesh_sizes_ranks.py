@@ -1,34 +1,37 @@
-"""Rank side of test_mesh_sizes.py: ``prepare_model(model, "fsdp", tp=N | hsdp=R)`` on
-meshes whose two sizes differ, trained by a plain ``Stepper(model, optimizer)``.
+"""Rank side of test_mesh_sizes.py: ``prepare_model(model, "fsdp", layout=Layout(tp=N) |
+Layout(dp_replicate=R))`` on meshes whose two sizes differ, trained by a plain
+``Stepper(model, optimizer)``.
 
 The model, data, optimizer, clip and per-step record are tests/parallel/layout_ranks.py's
 (the demo GPT in float64 with 4 heads and the demo's own tensor-parallel plan, AdamW,
 ``ClipNorm`` below every norm with norm types 2 then 1); only the mesh differs:
 
-- 2 ranks: FSDP2 + TP on (dp=1, tp=2), HSDP on (replicate=2, shard=1);
-- 4 ranks: FSDP2 + TP on (dp=1, tp=4) (one head per rank), HSDP on (replicate=4, shard=1).
+- 2 ranks: FSDP2 + TP on (dp_shard=1, tp=2), HSDP on (dp_replicate=2, dp_shard=1);
+- 4 ranks: FSDP2 + TP on (dp_shard=1, tp=4) (one head per rank), HSDP on (dp_replicate=4,
+  dp_shard=1).
 
-(dp=2, tp=2) and (replicate=2, shard=2) are test_prepare_layouts.py's.
+(dp_shard=2, tp=2) and (dp_replicate=2, dp_shard=2) are test_prepare_layouts.py's.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from gradstep.parallel import Layout
 from tests.parallel import layout_ranks as lr
 
 STEPS = 2
 
 
-def layouts(world: int) -> dict[str, dict[str, int]]:
+def layouts(world: int) -> dict[str, Layout]:
     """The layouts run on ``world`` ranks, by name: the whole world tensor parallel, and
     every rank its own replica."""
-    return {f"tp{world}": {"tp": world}, f"hsdp{world}": {"hsdp": world}}
+    return {f"tp{world}": Layout(tp=world), f"hsdp{world}": Layout(dp_replicate=world)}
 
 
-def data_ranks(layout: dict[str, int], world: int) -> int:
+def data_ranks(layout: Layout, world: int) -> int:
     """Ranks that read different data: the world over tp (HSDP: every rank)."""
-    return world // layout.get("tp", 1)
+    return layout.resolve(world).dp_size
 
 
 def mesh_sizes_run(rank: int, world: int) -> dict[str, Any]:
@@ -38,10 +41,10 @@ def mesh_sizes_run(rank: int, world: int) -> dict[str, Any]:
 
     out = {}
     for name, layout in layouts(world).items():
-        extra: dict[str, Any] = {"tp_plan": gpt_tp_plan()} if "tp" in layout else {}
-        model = prepare_model(lr.gpt64(), "fsdp", **layout, **extra)
+        plan = gpt_tp_plan() if layout.tp > 1 else None
+        model = prepare_model(lr.gpt64(), "fsdp", layout=layout, tp_plan=plan)
         dp = data_ranks(layout, world)
-        data_rank = rank // layout.get("tp", 1)  # the (dp, tp) mesh is row-major
+        data_rank = layout.data_rank(rank)  # the mesh is row-major, tp innermost
         windows = [per_rank[data_rank] for per_rank in lr.data(dp)[:STEPS]]
         out[name] = lr._train(model, windows)
     return out

@@ -1,11 +1,15 @@
 """gradstep.parallel.dtensor: the one rule for "which process groups does a whole-tensor sum
-of this DTensor cross", on real device meshes of a 4-rank world held by one process.
+of this DTensor cross", and the one rule for "what does this rank's part count for in a sum
+over every rank" (``counted``), on real device meshes of a 4- or 8-rank world held by one
+process.
 
 torch's fake process group runs no collective, but the meshes, their groups and the DTensor
 placements are the real ones: the rule is checked on a 1-D mesh (FSDP2) and on a (dp, tp)
 mesh (FSDP2 + tensor parallel: issue 23), without starting 4 processes. What it must hold:
 the groups returned are exactly the mesh dims whose ranks hold different parts, so the sizes
-of those groups multiply to the number of parts the whole tensor is cut into.
+of those groups multiply to the number of parts the whole tensor is cut into; and summed over
+every rank of the world, the weights ``counted`` gives each distinct part add up to 1 (a
+3-D (dp_replicate, dp_shard, tp) mesh included, and tensors on a sub-mesh of it).
 """
 
 from __future__ import annotations
@@ -19,9 +23,61 @@ import torch
 import torch.distributed as dist
 
 from gradstep import UnsupportedSetup
-from gradstep.parallel.dtensor import norm32, shard_groups, to_local, wide_dtype
+from gradstep.parallel.dtensor import counted, norm32, shard_groups, to_local, wide_dtype
 
 WORLD = 4
+
+# (mesh shape, its dim names, {case: (the dims of the sub-mesh, its placements)})
+COUNTED = {
+    4: ((2, 2), ("dp_shard", "tp"), {
+        "colwise": (("dp_shard", "tp"), "SS0,S0"),
+        "rowwise bias": (("dp_shard", "tp"), "S0,R"),
+        "dp mesh alone": (("dp_shard",), "S0"),
+        "tp mesh alone": (("tp",), "S1"),
+    }),
+    8: ((2, 2, 2), ("dp_replicate", "dp_shard", "tp"), {
+        "colwise": (("dp_replicate", "dp_shard", "tp"), "R,SS0,S0"),
+        "rowwise": (("dp_replicate", "dp_shard", "tp"), "R,S0,S1"),
+        "rowwise bias": (("dp_replicate", "dp_shard", "tp"), "R,S0,R"),
+        "dp mesh alone": (("dp_replicate", "dp_shard"), "R,S0"),
+        "tp mesh alone, replicated": (("tp",), "R"),
+    }),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("world", sorted(COUNTED))
+def test_counted_counts_every_part_once_in_a_sum_over_every_rank(world: int) -> None:
+    """Played as each rank of the world in turn (a fake group per rank): per case, the
+    weights of the ranks holding one part add up to 1, for every part; a plain tensor
+    counts 1/world on each rank. A mesh whose size does not divide the ranks is refused."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already up in this process")
+    shape, names, cases = COUNTED[world]
+    totals: dict[tuple[str, tuple[int, ...]], float] = {}
+    for rank in range(world):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        try:
+            root = init_device_mesh("cpu", shape, mesh_dim_names=names)
+            for case, (dims, spec) in cases.items():
+                mesh, placements = root[dims], _placements(spec)
+                t = _dtensor(mesh, placements)
+                part = tuple(
+                    mesh.get_local_rank(d) for d, p in enumerate(placements) if not p.is_replicate()
+                )
+                totals[case, part] = totals.get((case, part), 0.0) + counted(t, world)
+            assert counted(torch.ones(2), world) == 1 / world
+            with pytest.raises(UnsupportedSetup, match="not a multiple of its mesh's size"):
+                counted(_dtensor(root, _placements(",".join(["S0"] * len(shape)))), world // 2)
+        finally:
+            dist.destroy_process_group()
+    assert all(w == 1.0 for w in totals.values()), totals
+    for case, (dims, spec) in cases.items():
+        sizes = dict(zip(names, shape, strict=True))
+        split = [sizes[d] for d, p in zip(dims, spec.split(","), strict=True) if p != "R"]
+        assert sum(1 for c, _ in totals if c == case) == math.prod(split), case
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,7 @@
-"""One strategy registry for both ends: ``strategy_for`` detects a wrapped model with it and
-``prepare_model`` builds one by name from it; the built-ins register like any other layout.
+"""One strategy registry for both ends (gradstep/parallel/registry.py): ``strategy_for``
+detects a wrapped model with it and ``prepare_model`` builds one by name from it; the
+built-ins register like any other layout. ``prepare_model``'s ``layout=`` is checked before
+anything is built.
 
 The invariant every registered name must hold: what ``prepare_model(model, name)`` returns,
 ``strategy_for`` detects as the strategy called ``name``. Checked for the built-ins on a
@@ -18,16 +20,16 @@ import torch.distributed as dist
 from torch import nn
 
 import gradstep.parallel as gd
-from gradstep.parallel import setup
+from gradstep.parallel import registry as reg
 from gradstep.step.precision import PRECISIONS
 
 
 @pytest.fixture
 def registry(monkeypatch: pytest.MonkeyPatch) -> None:
     """A private copy of the registry: what a test registers does not outlive it."""
-    monkeypatch.setattr(setup, "_DETECTORS", list(setup._DETECTORS))
-    monkeypatch.setattr(setup, "_PREPARERS", dict(setup._PREPARERS))
-    monkeypatch.setattr(setup, "_FALLBACK", list(setup._FALLBACK))
+    monkeypatch.setattr(reg, "_DETECTORS", list(reg._DETECTORS))
+    monkeypatch.setattr(reg, "_PREPARERS", dict(reg._PREPARERS))
+    monkeypatch.setattr(reg, "_FALLBACK", list(reg._FALLBACK))
 
 
 @pytest.fixture
@@ -65,11 +67,11 @@ def prepare_marked(model: nn.Module, *, precision: str, blocks_attr: str | None)
 
 
 def test_the_builtins_are_the_registered_names() -> None:
-    assert gd.STRATEGIES == ("none", "ddp", "fsdp") == tuple(setup._PREPARERS)
+    assert gd.STRATEGIES == ("none", "ddp", "fsdp") == tuple(reg._PREPARERS)
     # prepare_model takes exactly the precisions the Stepper takes (it keeps its own table
     # so that parallel imports nothing of the step).
-    assert set(setup._FSDP_PARAM_DTYPES) == set(PRECISIONS)
-    assert set(gd.STRATEGIES) <= {cls.name for cls in [*setup._DETECTORS, *setup._FALLBACK]}
+    assert set(reg._FSDP_PARAM_DTYPES) == set(PRECISIONS)
+    assert set(gd.STRATEGIES) <= {cls.name for cls in [*reg._DETECTORS, *reg._FALLBACK]}
 
 
 def test_what_prepare_model_builds_strategy_for_detects(one_rank: None) -> None:
@@ -92,10 +94,10 @@ def test_a_registered_strategy_is_built_by_name_and_detected(registry: None) -> 
     assert type(gd.strategy_for(model)).__name__ == "LocalStrategy"  # the fallback
     with pytest.raises(ValueError, match="strategy must be one of none, ddp, fsdp, marked, got"):
         gd.prepare_model(model, "zero")
-    detectors = list(setup._DETECTORS)
+    detectors = list(reg._DETECTORS)
     with pytest.raises(ValueError, match="'marked' is already registered"):
         gd.register_strategy(type("Again", (MarkedStrategy,), {}), prepare=prepare_marked)
-    assert detectors == setup._DETECTORS  # a refused registration leaves nothing behind
+    assert detectors == reg._DETECTORS  # a refused registration leaves nothing behind
 
 
 def test_register_strategy_keeps_its_detection_only_form(registry: None) -> None:
@@ -108,7 +110,7 @@ def test_register_strategy_keeps_its_detection_only_form(registry: None) -> None
     gd.register_strategy(MarkedStrategy)
     gd.register_strategy(Second, True)
     assert isinstance(gd.strategy_for(Marked(nn.Linear(2, 2))), Second)  # first wins
-    assert tuple(setup._PREPARERS) == gd.STRATEGIES
+    assert tuple(reg._PREPARERS) == gd.STRATEGIES
     with pytest.raises(TypeError, match="needs a detects\\(model\\) staticmethod"):
         gd.register_strategy(type("NoDetects", (), {}))
     with pytest.raises(TypeError, match="needs a name"):
@@ -132,15 +134,17 @@ def _plan() -> dict:
 @pytest.mark.parametrize(
     ("strategy", "kwargs", "message"),
     [
-        ("ddp", {"tp": 2, "tp_plan": _plan()}, "tp=2 needs strategy='fsdp' (it shards with "
-         "FSDP2 on a 2-D mesh), got strategy='ddp'; pass strategy='fsdp' or tp=1"),
-        ("none", {"hsdp": 2}, "hsdp=2 needs strategy='fsdp'"),
-        ("fsdp", {"tp": 2, "tp_plan": _plan(), "hsdp": 2}, "tp=2 and hsdp=2 together"),
-        ("fsdp", {"tp": 2}, "tp=2 needs tp_plan=: a dict of module paths"),
-        ("fsdp", {"tp_plan": _plan()}, "tp_plan= is used with tp > 1 only"),
-        ("fsdp", {"tp": 2, "tp_plan": ["attn"]}, "tp_plan must be a dict"),
-        ("fsdp", {"tp": 0}, "prepare_model: tp must be an int >= 1, got 0"),
-        ("fsdp", {"hsdp": True}, "prepare_model: hsdp must be an int >= 1, got True"),
+        ("ddp", {"layout": gd.Layout(tp=2), "tp_plan": _plan()}, "layout=Layout(tp=2) needs "
+         "strategy='fsdp' (it shards with FSDP2 on a multi-dimensional mesh), got "
+         "strategy='ddp'; pass strategy='fsdp' or no layout"),
+        ("none", {"layout": gd.Layout(dp_replicate=2)}, "layout=Layout(dp_replicate=2) needs "
+         "strategy='fsdp'"),
+        ("fsdp", {"layout": gd.Layout(tp=2)}, "layout=Layout(tp=2) needs tp_plan=: a dict of "
+         "module paths"),
+        ("fsdp", {"tp_plan": _plan()}, "tp_plan= is used with a layout of tp > 1 only"),
+        ("fsdp", {"layout": gd.Layout(tp=2), "tp_plan": ["attn"]}, "tp_plan must be a dict"),
+        ("fsdp", {"layout": {"tp": 2}}, "prepare_model: layout must be a "
+         "gradstep.parallel.Layout (e.g. Layout(tp=2), Layout(dp_replicate=2)) or None, got dict"),
     ],
 )  # fmt: skip
 def test_layouts_prepare_model_refuses_name_the_argument(
@@ -153,17 +157,27 @@ def test_layouts_prepare_model_refuses_name_the_argument(
         gd.prepare_model(model, strategy, **kwargs)
 
 
+def test_the_fsdp_only_layout_keywords_are_gone() -> None:
+    """``tp=`` and ``hsdp=`` were replaced by ``layout=`` (CHANGELOG, Unreleased)."""
+    model = nn.Sequential(nn.ModuleList([nn.Linear(4, 4)]), nn.Linear(4, 2))
+    for old in ({"tp": 2}, {"hsdp": 2}):
+        with pytest.raises(TypeError, match="unexpected keyword argument"):
+            gd.prepare_model(model, "fsdp", **old)
+
+
 def test_a_layout_the_world_cannot_hold_is_refused_and_plain_fsdp_still_builds(
     one_rank: None,
 ) -> None:
-    """On one rank ``tp=2``/``hsdp=2`` cannot divide the world: refused naming the values
-    that can; ``tp=1, hsdp=1`` (the defaults, spelled out) is plain FSDP2."""
+    """On one rank ``Layout(tp=2)``/``Layout(dp_replicate=2)`` cannot fit: refused naming
+    the sizes and the values that can; ``Layout()`` (the default, spelled out) is plain
+    FSDP2, and the layout reads back from the model."""
     model = nn.Sequential(nn.ModuleList([nn.Linear(4, 4)]), nn.Linear(4, 2))
     with pytest.raises(
-        ValueError, match=re.escape("tp=2 must divide the number of ranks (1): one of 1")
+        ValueError, match=re.escape("Layout(tp=2) does not fit 1 ranks: tp=2 must divide")
     ):
-        gd.prepare_model(model, "fsdp", tp=2, tp_plan=_plan())
-    with pytest.raises(ValueError, match=re.escape("hsdp=2 must divide the number of ranks (1)")):
-        gd.prepare_model(model, "fsdp", hsdp=2)
-    wrapped = gd.prepare_model(model, "fsdp", tp=1, hsdp=1)
+        gd.prepare_model(model, "fsdp", layout=gd.Layout(tp=2), tp_plan=_plan())
+    with pytest.raises(ValueError, match=re.escape("dp_replicate=2 must divide the number of")):
+        gd.prepare_model(model, "fsdp", layout=gd.Layout(dp_replicate=2))
+    wrapped = gd.prepare_model(model, "fsdp", layout=gd.Layout())
     assert type(gd.strategy_for(wrapped)).__name__ == "FSDP2Strategy"
+    assert gd.Layout.of(wrapped) == gd.Layout(dp_shard=1)

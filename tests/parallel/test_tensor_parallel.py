@@ -8,7 +8,12 @@ the clip active on every step and different token counts on the two dp ranks. Tw
 tensor parallel blocks (gradients on two meshes) with AdamW, and sequence parallel (every
 parameter on the 2-D mesh) with SGD + momentum and ``count=fn``. A tensor-parallel peer
 with a longer window raises on every rank. HSDP: the norm counts the shards of one replica
-only, taken in backward or after it."""
+only, taken in backward or after it.
+
+HSDP + tensor parallel on a 3-D (dp_replicate=2, dp_shard=2, tp=2) mesh of 8 ranks, built
+by a user with torch's own APIs and by ``prepare_model(layout=Layout(2, 2, 2))``: the same
+exactness, items over the 4 data-parallel ranks (replicate x shard), divisor 4, each
+element of the norm counted once (replicas and tp copies are copies)."""
 
 from __future__ import annotations
 
@@ -45,3 +50,20 @@ def test_hsdp_equals_one_process(in_backward: bool) -> None:
         assert res["strategy"] == "FSDP2Strategy" and res["world_size"] == world, rank
         assert res["in_backward"] is in_backward, rank
         tp.check_steps(rank, res["steps"], ref, EXACT)
+
+
+def test_hsdp_with_tensor_parallel_on_a_3d_mesh_equals_one_process() -> None:
+    """One 8-rank job, both ways of building the mesh, against one float64 process."""
+    from gradstep.parallel import Layout
+
+    world, dp = 8, 4
+    ref = tp.reference("adamw", dp=dp)
+    names = {("dp_replicate", "dp_shard"), ("dp_replicate", "dp_shard", "tp")}
+    for rank, res in enumerate(run_ranks(tp.hsdp_tp_run, world, timeout=600)):
+        for how in ("user", "prepared"):
+            got, where = res[how], (how, rank)
+            assert (got["strategy"], got["world_size"]) == ("FSDP2TPStrategy", dp), where
+            assert got["divisor"] == dp and got["dp_size"] == dp, where
+            assert got["layout"] == Layout(dp_replicate=2, dp_shard=2, tp=2), where
+            assert set(got["dims"].values()) == names, where  # on two meshes
+            tp.check_steps(rank, got["steps"], ref, EXACT)

@@ -143,6 +143,23 @@ def reference(
     return out
 
 
+def tp_plan(sp: bool = False) -> dict[str, Any]:
+    """The blocks' tensor-parallel plan: q, k, v and the MLP's up column-wise, o and down
+    row-wise (their outputs sequence-sharded with ``sp``)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    out = Shard(1) if sp else Replicate()
+    return {
+        "attn.q": ColwiseParallel(),
+        "attn.k": ColwiseParallel(),
+        "attn.v": ColwiseParallel(),
+        "attn.o": RowwiseParallel(output_layouts=out),
+        "mlp.up": ColwiseParallel(),
+        "mlp.down": RowwiseParallel(output_layouts=out),
+    }
+
+
 def build(sp: bool) -> tuple[nn.Module, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -157,15 +174,7 @@ def build(sp: bool) -> tuple[nn.Module, Any]:
 
     mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
     model = model64()
-    out = Shard(1) if sp else Replicate()
-    plan: dict[str, Any] = {
-        "attn.q": ColwiseParallel(),
-        "attn.k": ColwiseParallel(),
-        "attn.v": ColwiseParallel(),
-        "attn.o": RowwiseParallel(output_layouts=out),
-        "mlp.up": ColwiseParallel(),
-        "mlp.down": RowwiseParallel(output_layouts=out),
-    }
+    plan = tp_plan(sp)
     if sp:
         to_whole = PrepareModuleInput(
             input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
@@ -241,6 +250,60 @@ def hsdp_run(rank: int, world: int, in_backward: bool) -> dict[str, Any]:
         params = {n: _full(p).detach().clone() for n, p in model.named_parameters()}
         grads = {n: _full(p.grad).detach().clone() for n, p in model.named_parameters()}
         out["steps"].append({"stats": stats, "params": params, "grads": grads})
+    return out
+
+
+def _user_3d() -> nn.Module:
+    """HSDP + tensor parallel built with torch's own APIs: a (dp_replicate=2, dp_shard=2,
+    tp=2) mesh, the blocks parallelized over ``mesh["tp"]``, then ``fully_shard`` per block
+    and root over ``mesh["dp_replicate", "dp_shard"]``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    names = ("dp_replicate", "dp_shard", "tp")
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=names)
+    model = model64()
+    for block in model.blocks:
+        parallelize_module(block, mesh["tp"], tp_plan())
+        fully_shard(block, mesh=mesh["dp_replicate", "dp_shard"])
+    fully_shard(model, mesh=mesh["dp_replicate", "dp_shard"])
+    return model
+
+
+def _prepared_3d() -> nn.Module:
+    """The same layout through ``prepare_model(model, "fsdp", layout=...)``."""
+    from gradstep.parallel import Layout, prepare_model
+
+    layout = Layout(dp_replicate=2, dp_shard=2, tp=2)
+    return prepare_model(model64(), "fsdp", layout=layout, tp_plan=tp_plan())
+
+
+def hsdp_tp_run(rank: int, world: int) -> dict[str, Any]:
+    """HSDP + tensor parallel on 8 ranks, built by a user (a) and by ``prepare_model`` (b):
+    STEPS steps each (AdamW, the clip acting with norm types 2, 1, inf), a plain
+    ``Stepper(model, optimizer)``; per step the stats, full gradients and parameters."""
+    import gradstep
+    from gradstep.checkpoint.elastic import data_parallel_size
+    from gradstep.parallel import Layout
+
+    out: dict[str, Any] = {}
+    windows = data(world // TP)
+    for name, make in (("user", _user_3d), ("prepared", _prepared_3d)):
+        model = make()
+        stepper = gradstep.Stepper(model, optimizer("adamw", model.parameters()))
+        got: dict[str, Any] = {"strategy": type(stepper.strategy).__name__, "steps": []}
+        got |= {"world_size": stepper.world_size, "divisor": stepper.strategy.grad_divisor}
+        got |= {"layout": Layout.of(model), "dp_size": data_parallel_size(model, world)}
+        got["dims"] = {n: p.device_mesh.mesh_dim_names for n, p in model.named_parameters()}
+        data_rank = Layout.of(model).data_rank(rank)
+        for step, per_rank in enumerate(windows):
+            stepper.clip = gradstep.ClipNorm(MAX_NORM, norm_type=NORM_TYPES[step])
+            stats = stepper.step(per_rank[data_rank], loss_sum)
+            params = {n: _full(p).detach().clone() for n, p in model.named_parameters()}
+            grads = {n: _full(p.grad).detach().clone() for n, p in model.named_parameters()}
+            got["steps"].append({"stats": stats, "params": params, "grads": grads})
+        out[name] = got
     return out
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 from torch import nn
 
 from .._validate import check_int
-from ..parallel import collectives
 from .errors import CheckpointError
 
 __all__ = ["data_parallel_size", "elastic_accum_steps"]
@@ -41,13 +40,11 @@ def elastic_accum_steps(accum_steps: int, saved_world_size: int, world_size: int
 
 
 def data_parallel_size(model: nn.Module | None, world: int) -> int:
-    """Ranks that read different data: ``world``, except for an FSDP2 model sharded over a
-    smaller mesh than the world (FSDP2 + tensor parallel: its data-parallel mesh)."""
+    """Ranks that read different data: ``world``, except for a model whose layout has
+    ranks that share data (tensor-parallel peers): its ``Layout.of(model).dp_size``."""
     if model is None or world == 1:
         return world
-    from ..parallel.fsdp2 import FSDP2Strategy, fsdp_mesh_info
+    from ..parallel.layout import Layout
 
-    model = collectives.unwrap(model)
-    info = fsdp_mesh_info(model) if FSDP2Strategy.detects(model) else None
-    size = world if info is None else int(info.mesh.size())
+    size = Layout.of(model, world).dp_size
     return size if world % size == 0 else world

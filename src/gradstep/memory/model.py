@@ -29,6 +29,7 @@ input's dtype, and an fp32 ``(tokens, vocab)`` log-softmax for the loss
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -43,6 +44,9 @@ from .states import (
     _mesh,
     _model_states,
 )
+
+if TYPE_CHECKING:
+    from ..parallel.layout import Layout
 
 __all__ = [
     "HFShape",
@@ -167,8 +171,7 @@ def estimate_step_memory(
     dropout: float = 0.0,
     attention: str = "fused",
     frozen_dtype: torch.dtype | None = None,
-    tp: int = 1,
-    hsdp: int = 1,
+    layout: Layout | None = None,
 ) -> MemoryEstimate:
     """Predicted bytes per device of one ``Stepper.step`` with micro-batches of
     ``micro_batch_size`` sequences of ``shape.seq_len`` tokens.
@@ -191,12 +194,12 @@ def estimate_step_memory(
     :data:`gradstep.memory.activations.ATTENTION`) are a :class:`TransformerShape`'s: an
     :class:`HFShape` carries its own dropout.
 
-    2-D meshes (``sharded``; ``world_size`` counts every rank; docs/memory.md): ``hsdp=R``
-    shards over one replica's ``world_size / R`` ranks; ``tp=N`` splits the blocks' matmuls
-    (:class:`TransformerShape`'s ``tp``) and shards over the ``world_size / N`` dp ranks.
+    ``layout`` (``sharded``; a :class:`gradstep.parallel.Layout` on ``world_size`` ranks, None:
+    ``Layout()``; docs/memory.md): ``dp_replicate=R`` (HSDP) and ``tp=N`` (splitting the blocks'
+    matmuls: :class:`TransformerShape`'s ``tp``) leave FSDP2 ``world_size / (R x N)`` ranks.
     """
     _check_args(micro_batch_size, world_size, attention)
-    shape, shard_ranks = _mesh(shape, world_size, sharded, tp, hsdp)
+    shape, shard_ranks = _mesh(shape, world_size, sharded, layout)
     sizes = _sizes(shape, param_dtype, compute_dtype, frozen_dtype, sharded)
     shards = sharded and shard_ranks > 1
     accum = _accum_buffers(shape, param_dtype, accum_dtype, sharded)

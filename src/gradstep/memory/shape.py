@@ -30,8 +30,8 @@ class TransformerShape:
     ``tp``: the blocks' four matmuls split over ``tp`` tensor-parallel ranks (qkv and fc by
     output rows, whole heads per rank; attn out and mlp out by input columns): the block
     tensors, the matmul weights and the activations inside attention and the MLP are then
-    one rank's share; norms, embedding and head stay whole (``estimate_step_memory(tp=)``
-    sets it).
+    one rank's share; norms, embedding and head stay whole
+    (``estimate_step_memory(layout=Layout(tp=N))`` sets it).
     """
 
     n_layer: int

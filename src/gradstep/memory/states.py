@@ -20,6 +20,7 @@ from .activations import _Bytes
 from .shape import _numel
 
 if TYPE_CHECKING:
+    from ..parallel.layout import Layout
     from .shape import Shape
 
 __all__ = ["OptimizerMemory"]
@@ -175,18 +176,24 @@ def _model_states(
     return params, grads * b.param, opt * b.param, step_tmp * b.param
 
 
-def _mesh(shape: Shape, world: int, sharded: bool, tp: int, hsdp: int) -> tuple[Shape, int]:
-    """(the shape one rank holds, the ranks FSDP2 shards over) on a 2-D mesh."""
+def _mesh(shape: Shape, world: int, sharded: bool, layout: Layout | None) -> tuple[Shape, int]:
+    """(the shape one rank holds, the ranks FSDP2 shards over) on ``layout``'s mesh of
+    ``world`` ranks (None: ``Layout()``, every rank one data-parallel shard)."""
+    from ..parallel.layout import Layout
+
     own = getattr(shape, "tp", None)  # a TransformerShape's; an HFShape has none
-    for name, value in (("tp", tp), ("hsdp", hsdp)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if value > 1 and not sharded:
-            raise ValueError(f"{name}={value} models FSDP2 on a 2-D mesh: it needs sharded=True")
-        if world % value:
-            raise ValueError(f"{name}={value} must divide world_size ({world})")
-    if tp > 1 and hsdp > 1:
-        raise ValueError(f"tp={tp} and hsdp={hsdp} do not combine: pass one of them")
+    if layout is None:
+        layout = Layout()
+    if not isinstance(layout, Layout):
+        raise ValueError(
+            f"layout must be a gradstep.parallel.Layout or None, got {type(layout).__name__}"
+        )
+    sizes = layout.resolve(world)  # a ValueError naming the sizes that do not fit
+    tp, replicas = sizes.tp, sizes.dp_replicate
+    if (tp > 1 or replicas > 1) and not sharded:
+        raise ValueError(
+            f"layout={layout!r} models FSDP2 on a multi-dimensional mesh: it needs sharded=True"
+        )
     if tp > 1 and own not in (None, 1, tp):
         raise ValueError(f"tp={tp}, but the shape is already one of {own} tensor-parallel ranks")
     if tp > 1:
@@ -196,4 +203,4 @@ def _mesh(shape: Shape, world: int, sharded: bool, tp: int, hsdp: int) -> tuple[
                 f"{type(shape).__name__}"
             )
         shape = dataclasses.replace(shape, tp=tp)
-    return shape, world // (max(tp, own or 1) * hsdp)
+    return shape, world // (max(tp, own or 1) * replicas)

@@ -1,24 +1,29 @@
 """Everything that talks to ``torch.distributed``: strategies, collectives, setup.
 
-- :mod:`.base`: the :class:`Strategy` protocol the step uses;
-- :mod:`.local`, :mod:`.ddp`, :mod:`.fsdp2`: one file per strategy;
+- :mod:`.base`: the :class:`Strategy` protocol the step uses (a small core, plus declared
+  capabilities);
+- :mod:`.local`, :mod:`.ddp`, :mod:`.fsdp2`, :mod:`.tensor_parallel`: one file per strategy;
 - :mod:`.collectives`: the one ``unwrap``, "is a group up", the collective device, sums,
   and ``agree(flag)`` (true on every rank when any rank's flag is: one all-reduce, one
   host read), which every "all ranks take the same branch" decision goes through;
-- :mod:`.dtensor`: a DTensor's local part, ``shard_groups`` (the process groups a
-  whole-tensor sum crosses, on any mesh), norms in at least float32;
-- :mod:`.setup`: ``init`` from torchrun, ``prepare_model``, ``shutdown``, and the strategy
-  registry (``register_strategy``, ``strategy_for``);
-- :mod:`.layouts`: the meshes ``prepare_model(model, "fsdp", tp=N | hsdp=R)`` builds (FSDP2
-  + tensor parallel on ``(dp, tp)``, HSDP on ``(replicate, shard)``);
+- :mod:`.dtensor`: a DTensor's local part, ``counted`` (what this rank's part counts for in
+  a sum over every rank), ``shard_groups`` (the process groups a whole-tensor sum crosses,
+  on any mesh), norms in at least float32;
+- :mod:`.layout`: :class:`Layout` (``dp_replicate``, ``dp_shard``, ``tp``, ``cp``, ``pp``) and
+  the meshes ``prepare_model(model, "fsdp", layout=...)`` builds (HSDP, FSDP2 + tensor
+  parallel, both);
+- :mod:`.registry`: ``prepare_model`` and the strategy registry (``register_strategy``,
+  ``strategy_for``);
+- :mod:`.setup`: ``init`` from torchrun, ``shutdown``, ``find_blocks``;
 - :mod:`.failures`: ``collective_failure``, the message for a rank that is stuck or gone;
 - :mod:`.instrumentation`: counting gradient collectives, for tests and benchmarks only.
 
 :func:`strategy_for` detects the strategy from the model's wrapper; ``Stepper(...,
-strategy=...)`` takes one explicitly. The built-ins register like any other: a new layout
-(tensor parallel, HSDP) is a new file whose class has ``name`` and ``detects(model)``, plus
-one ``register_strategy(cls, prepare=...)`` call that lets ``prepare_model(model, name)``
-build it too.
+strategy=...)`` takes one explicitly. The built-ins register like any other: a strategy is a
+class with ``name`` and ``detects(model)``, plus one ``register_strategy(cls, prepare=...)``
+call that lets ``prepare_model(model, name)`` build it too. A new *layout* touches more than
+its strategy file (the ``Layout`` field and its mesh, the memory model, the docs):
+docs/distributed.md lists what tensor parallel on a 3-D mesh took.
 """
 
 from __future__ import annotations
@@ -54,20 +59,18 @@ from .collectives import (
 from .ddp import DDPStrategy
 from .failures import TIMEOUT_RANGE_S, collective_failure
 from .fsdp2 import FSDP2Strategy
+from .layout import Layout
 from .local import LocalStrategy
+from .registry import STRATEGIES, prepare_model, register_strategy, strategy_for
 from .setup import (
     BACKENDS,
-    STRATEGIES,
     DistEnv,
     find_blocks,
     init,
     launched_by_torchrun,
-    prepare_model,
     quiet_unless_main,
-    register_strategy,
     resolve_device,
     shutdown,
-    strategy_for,
 )
 from .tensor_parallel import FSDP2TPStrategy
 
@@ -89,6 +92,7 @@ __all__ = [
     "DistEnv",
     "FSDP2Strategy",
     "FSDP2TPStrategy",
+    "Layout",
     "LocalStrategy",
     "ProcessGroupStrategy",
     "Strategy",

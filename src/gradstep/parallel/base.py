@@ -365,11 +365,15 @@ class ProcessGroupStrategy:
 
     def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
         """The maximum of a small tensor over the data-parallel ranks, as a float64 copy."""
-        import torch.distributed as dist
+        from .collectives import all_reduce_max
 
-        out = t.to(torch.float64, copy=True)  # the all-reduce is in place
-        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.dp_group)
-        return out
+        return all_reduce_max(t, self.dp_group)
+
+    def agree_max(self, t: torch.Tensor) -> torch.Tensor:
+        """The maximum of a small tensor over :attr:`agree_ranks` (every rank), float64."""
+        from .collectives import all_reduce_max
+
+        return all_reduce_max(t, None)
 
     def discard_partial_grads(self) -> None:
         return None
@@ -390,6 +394,6 @@ class ProcessGroupStrategy:
             raise UnsupportedSetup(
                 f"{what} spans {size} of {self.world_size} ranks; gradstep supports data "
                 "parallelism over the whole default process group (DDP, FSDP2, HSDP) and "
-                "FSDP2 + tensor parallel over a (dp, tp) mesh; pipeline parallelism is not "
-                "supported (docs/distributed.md)"
+                "FSDP2 + tensor parallel over a (dp_shard, tp) or (dp_replicate, dp_shard, tp) "
+                "mesh; pipeline parallelism is not supported (docs/distributed.md)"
             )

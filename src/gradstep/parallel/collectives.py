@@ -16,6 +16,7 @@ from torch import nn
 
 __all__ = [
     "agree",
+    "all_reduce_max",
     "all_reduce_sum",
     "barrier",
     "broadcast_from_rank0",
@@ -64,6 +65,15 @@ def all_reduce_sum(t: torch.Tensor, group: Any = None) -> torch.Tensor:
     out = t.to(comm_device())
     dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
     return out.to(t.device)
+
+
+def all_reduce_max(t: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """The maximum of ``t`` over the ranks of ``group``, as a float64 copy (the copy itself
+    without a process group)."""
+    out = t.to(torch.float64, copy=True)  # the all-reduce is in place
+    if is_initialized():
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
+    return out
 
 
 def agree(flag: bool, group: Any = None) -> bool:

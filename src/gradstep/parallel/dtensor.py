@@ -3,9 +3,11 @@ whole-tensor sum crosses, norms and sums of local parts.
 
 FSDP2 (and tensor parallelism) hand out parameters and gradients as DTensors. Everything in
 gradstep that measures them asks here (the step's global norm, tensor parallel, AGC, the
-noise scale, LARS and LAMB), so "what is this rank's part", "does this rank's copy count",
-"which process groups does a whole-tensor sum cross" and "in which dtype is a norm taken"
-each have one answer. The whole-tensor sums and norms (:func:`sum_parts`,
+noise scale, LARS and LAMB), so "what is this rank's part" (:func:`to_local`), "what does
+this rank's part count for in a sum over every rank" (:func:`counted`, on
+:func:`first_copy`), "which process groups does a whole-tensor sum cross"
+(:func:`shard_groups`) and "in which dtype is a norm taken" (:func:`wide_dtype`) each have
+one answer. The whole-tensor sums and norms (:func:`sum_parts`,
 :func:`reduce_over_shards`, :func:`whole_norms`) put every per-tensor value of a step into
 one vector and reduce the sharded entries with one ``all_reduce`` per distinct sharding, not
 one per parameter; replicated entries (plain tensors, DDP, HSDP's replicate dim) are left
@@ -25,6 +27,7 @@ from . import collectives
 
 __all__ = [
     "ShardGroups",
+    "counted",
     "first_copy",
     "local_norm",
     "norm32",
@@ -98,6 +101,30 @@ def first_copy(t: torch.Tensor) -> bool:
     return all(
         mesh.get_local_rank(dim) == 0 for dim, pl in enumerate(placements) if pl.is_replicate()
     )
+
+
+def counted(t: torch.Tensor, ranks: int) -> float:
+    """What this rank's local part of ``t`` counts for in a sum over ``ranks`` ranks that
+    hold ``t`` between them, for that sum to count every element of ``t`` once: the one
+    counted-once rule (the tensor-parallel norm and the noise scale use it).
+
+    ``t``'s mesh (a plain tensor: this rank alone) splits it along its ``Shard`` dims and
+    copies it along its ``Replicate`` dims, where only coordinate 0 counts
+    (:func:`first_copy`). When the mesh spans fewer than ``ranks`` ranks, the others are
+    ``ranks / mesh size - 1`` more groups holding ``t`` the same way (the tensor-parallel
+    peers of a parameter on the data-parallel mesh alone, of a plain tensor): every group
+    counts for its share. So: ``mesh size / ranks`` on a first copy, 0 on another copy
+    (exact sums when the ratio is a power of two). ``ranks`` must be a multiple of the
+    mesh's size.
+    """
+    mesh = getattr(t, "device_mesh", None)
+    size = 1 if mesh is None else int(mesh.size())
+    if ranks < size or ranks % size:
+        raise UnsupportedSetup(
+            f"a tensor on a mesh of {size} ranks cannot be counted over {ranks} ranks (not "
+            "a multiple of its mesh's size): its copies are not whole groups of ranks"
+        )
+    return size / ranks if first_copy(t) else 0.0
 
 
 def wide_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype:

@@ -21,14 +21,19 @@ class FSDP2Strategy(ProcessGroupStrategy):
     forward_communicates = True
 
     def __init__(self, model: nn.Module) -> None:
-        super().__init__()
         from torch.distributed.tensor import DTensor
 
-        self.model = model
+        self._from_mesh(model, fsdp_mesh_info(model))
         for p in model.parameters():
             if isinstance(p, DTensor):
                 self._check_group_size(p.device_mesh.size(), "the FSDP2 device mesh")
-        info = fsdp_mesh_info(model)
+
+    def _from_mesh(self, model: nn.Module, info: Any, dp_group: Any = None) -> None:
+        """The state every FSDP2 strategy shares, from FSDP2's mesh record ``info``
+        (:func:`fsdp_mesh_info`); ``dp_group``: the data-parallel ranks (None: every rank)."""
+        super().__init__(dp_group)
+        self.model = model
+        self.dp_mesh = getattr(info, "mesh", None)
         # HSDP, a (replicate, shard) mesh: the gradient is sharded within a replica and
         # copied across replicas, so only the first replica's shards count in the norm.
         replica = getattr(info, "replicate_mesh_rank", 0)

@@ -12,9 +12,8 @@ script needs around that::
     ...                                          # Stepper(model, optimizer, ...) as usual
     gradstep.parallel.shutdown()
 
-Data parallelism over the whole world (every rank holds a different slice of the data and
-the full model (DDP) or a shard of it (FSDP2 over a 1-D mesh)), HSDP (``hsdp=R``) and FSDP2
-+ tensor parallel (``tp=N``): see :func:`prepare_model` and :mod:`.layouts`.
+``prepare_model`` and the strategy registry live in :mod:`.registry`; the layouts it builds
+(HSDP, FSDP2 + tensor parallel, both) in :mod:`.layout`.
 """
 
 from __future__ import annotations
@@ -24,9 +23,8 @@ import datetime
 import gc
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -34,43 +32,22 @@ from torch import nn
 
 from .._validate import check_choice
 from . import collectives
-from .base import Strategy
 from .collectives import is_initialized
-from .ddp import DDPStrategy
 from .failures import check_timeout, remember_timeout
-from .fsdp2 import FSDP2Strategy, release_dtensor_caches
-from .layouts import TPPlan, check_layout, fsdp_layout
-from .local import LocalStrategy
-from .tensor_parallel import FSDP2TPStrategy
-
-if TYPE_CHECKING:
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+from .fsdp2 import release_dtensor_caches
 
 __all__ = [
     "BACKENDS",
-    "STRATEGIES",
     "DistEnv",
     "find_blocks",
     "init",
     "launched_by_torchrun",
-    "prepare_model",
     "quiet_unless_main",
-    "register_strategy",
     "resolve_device",
     "shutdown",
-    "strategy_for",
 ]
 
 BACKENDS = ("auto", "gloo", "nccl")
-# The ``precision`` names prepare_model takes (Stepper(precision=)'s, kept here so that this
-# layer imports nothing of the step), each with the dtype FSDP2 all-gathers and computes in
-# (None: the parameters' own). fp16 keeps float32 shards: autocast computes in fp16 and
-# GradScaler needs float32 gradients.
-_FSDP_PARAM_DTYPES: dict[str, torch.dtype | None] = {
-    "fp32": None,
-    "bf16": torch.bfloat16,
-    "fp16": None,
-}
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 
@@ -233,165 +210,3 @@ def find_blocks(model: nn.Module, blocks_attr: str | None = None) -> list[nn.Mod
             found.append(name)
             blocks.extend(module)
     return blocks
-
-
-def _mixed_precision(precision: str) -> MixedPrecisionPolicy:
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    param_dtype = _FSDP_PARAM_DTYPES[precision]
-    if param_dtype is None:
-        return MixedPrecisionPolicy()
-    # Low-precision all-gathers and compute; gradients reduced AND accumulated across
-    # no-sync micro-batches in float32 (FSDP2 upcasts the unsharded gradient when
-    # reduce_dtype differs), so partial sums are never rounded to bf16.
-    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-
-
-# ------------------------------------------------------------ the strategy registry
-
-Prepare = Callable[..., nn.Module]
-"""``prepare(model, *, precision, blocks_attr) -> model``: wraps a model for one layout
-(``"fsdp"``'s also takes ``tp``, ``tp_plan`` and ``hsdp``)."""
-
-# strategy_for asks these, in order; the first whose ``detects(model)`` is true wraps it.
-_DETECTORS: list[type] = []
-# prepare_model's names, in registration order.
-_PREPARERS: dict[str, Prepare] = {}
-# The strategy of a model no class detects (built with no argument).
-_FALLBACK: list[type] = []
-
-
-def register_strategy(
-    cls: type,
-    first: bool = False,
-    *,
-    name: str | None = None,
-    prepare: Prepare | None = None,
-    fallback: bool = False,
-) -> type:
-    """Let :func:`strategy_for` detect ``cls`` and, with ``prepare``, let
-    :func:`prepare_model` build it by name. Returns ``cls``, so it also works as a decorator.
-
-    - ``cls``: a class with ``detects(model) -> bool`` and a ``cls(model)`` constructor;
-      ``first`` puts it before the classes registered so far (the built-ins).
-    - ``prepare``: ``prepare(model, *, precision, blocks_attr) -> model``, what
-      ``prepare_model(model, name, ...)`` calls; ``name`` defaults to ``cls.name``.
-    - ``fallback``: ``cls()`` is the strategy of a model no class detects (no ``detects``
-      needed); the built-in fallback is :class:`LocalStrategy`.
-    """
-    if not fallback and not callable(getattr(cls, "detects", None)):
-        raise TypeError(f"register_strategy: {cls!r} needs a detects(model) staticmethod")
-    key = name if name is not None else getattr(cls, "name", None)
-    if prepare is not None:  # checked before anything is registered: all or nothing
-        if not isinstance(key, str) or not key:
-            raise TypeError(f"register_strategy: {cls!r} needs a name (str) for prepare_model")
-        if key in _PREPARERS:
-            raise ValueError(f"register_strategy: the name {key!r} is already registered")
-        _PREPARERS[key] = prepare
-    if fallback:
-        _FALLBACK[:] = [cls]
-    else:
-        _DETECTORS.insert(0, cls) if first else _DETECTORS.append(cls)
-    return cls
-
-
-def strategy_for(model: nn.Module) -> Strategy:
-    """The strategy for ``model``'s wrapper (DDP, FSDP2, a registered one), else local."""
-    for cls in _DETECTORS:
-        if cls.detects(model):
-            factory: Callable[[nn.Module], Strategy] = cls
-            return factory(model)
-    return _FALLBACK[0]()
-
-
-def prepare_model(
-    model: nn.Module,
-    strategy: str = "ddp",
-    precision: str = "fp32",
-    blocks_attr: str | None = None,
-    *,
-    tp: int = 1,
-    tp_plan: TPPlan | None = None,
-    hsdp: int = 1,
-) -> nn.Module:
-    """Wrap ``model`` (already on this process's device) for data parallelism.
-
-    - ``"none"``: returned unchanged.
-    - ``"ddp"``: ``DistributedDataParallel``; every rank keeps the full model.
-    - ``"fsdp"``: FSDP2 ``fully_shard`` on each block (see :func:`find_blocks`) and then on
-      the root, over all ranks; with ``precision="bf16"`` a ``MixedPrecisionPolicy`` with
-      bf16 parameters and float32 gradient reduction. The model is modified in place.
-      Two 2-D layouts (:mod:`gradstep.parallel.layouts`), ``"fsdp"`` only:
-
-      - ``hsdp=R``: HSDP, a ``(replicate=R, shard=W/R)`` mesh (replicate across nodes,
-        shard within one); every rank reads its own data;
-      - ``tp=N`` with ``tp_plan``: FSDP2 + tensor parallel on a ``(dp=W/N, tp=N)`` mesh,
-        ranks row-major; each block is ``parallelize_module``-d over ``mesh["tp"]`` with
-        ``tp_plan`` (``{path relative to a block: ParallelStyle}``, or a callable
-        ``plan(block, tp_mesh)``), then sharded over ``mesh["dp"]``. Rank ``r`` is data rank
-        ``r // N``: the N tensor-parallel peers must read the same micro-batches.
-
-      ``tp`` and ``hsdp`` must divide the number of ranks; they do not combine.
-    - a name given to :func:`register_strategy` with a ``prepare`` callable.
-
-    Pass the result to :class:`gradstep.Stepper`; it detects the wrapper (``FSDP2Strategy``
-    for FSDP2 and HSDP, ``FSDP2TPStrategy`` with tensor parallel).
-    """
-    check_choice("strategy", strategy, tuple(_PREPARERS))
-    check_choice("precision", precision, tuple(_FSDP_PARAM_DTYPES))
-    check_layout(strategy, tp, tp_plan, hsdp)
-    layout = {} if tp == hsdp == 1 else {"tp": tp, "tp_plan": tp_plan, "hsdp": hsdp}
-    return _PREPARERS[strategy](model, precision=precision, blocks_attr=blocks_attr, **layout)
-
-
-def _model_device(model: nn.Module, strategy: str) -> torch.device:
-    """The one device of ``model``'s parameters, once a process group exists."""
-    if not is_initialized():
-        raise RuntimeError(
-            f"prepare_model(strategy={strategy!r}) needs a process group: launch with "
-            "`torchrun --nproc_per_node=N ...` and call gradstep.parallel.init() first"
-        )
-    devices = {p.device for p in model.parameters()}
-    if len(devices) > 1:
-        raise ValueError(
-            f"model parameters must be on one device, found {sorted(map(str, devices))}"
-        )
-    return next(iter(devices), torch.device("cpu"))
-
-
-def _prepare_none(model: nn.Module, **_: object) -> nn.Module:
-    return model
-
-
-def _prepare_ddp(model: nn.Module, **_: object) -> nn.Module:
-    from torch.nn.parallel import DistributedDataParallel
-
-    device = _model_device(model, "ddp")
-    ids = [device.index] if device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=ids)
-
-
-def _prepare_fsdp(
-    model: nn.Module,
-    *,
-    precision: str,
-    blocks_attr: str | None,
-    tp: int = 1,
-    tp_plan: TPPlan | None = None,
-    hsdp: int = 1,
-) -> nn.Module:
-    device = _model_device(model, "fsdp")
-    blocks = find_blocks(model, blocks_attr)
-    policy = _mixed_precision(precision)
-    return fsdp_layout(model, blocks, device, policy, tp=tp, tp_plan=tp_plan, hsdp=hsdp)
-
-
-register_strategy(LocalStrategy, name="none", prepare=_prepare_none, fallback=True)
-register_strategy(DDPStrategy, prepare=_prepare_ddp)
-register_strategy(FSDP2Strategy, prepare=_prepare_fsdp)
-register_strategy(FSDP2TPStrategy, first=True)  # an FSDP2 model too: asked before it
-
-STRATEGIES = tuple(_PREPARERS)
-"""The built-in strategies' names for :func:`prepare_model` (``none``, ``ddp``, ``fsdp``):
-those registered with a ``prepare`` callable when this module loaded. A later
-``register_strategy(..., prepare=...)`` is taken by ``prepare_model`` too."""

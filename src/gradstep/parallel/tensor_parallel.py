@@ -1,20 +1,23 @@
-"""FSDP2 over the data-parallel dim of a 2-D mesh, tensor parallel over the other.
+"""FSDP2 over the data-parallel dims of a mesh, tensor parallel over the ``tp`` dim.
 
 The torchtitan layout: ``parallelize_module(block, mesh["tp"], plan)`` then
-``fully_shard(module, mesh=mesh["dp"])``. Tensor-parallel peers see the same data, so:
+``fully_shard(module, mesh=dp_mesh)``, where the data-parallel mesh is ``mesh["dp_shard"]``
+(a ``(dp_shard, tp)`` mesh) or ``mesh["dp_replicate", "dp_shard"]`` (HSDP + tensor parallel,
+a 3-D ``(dp_replicate, dp_shard, tp)`` mesh); :class:`~gradstep.parallel.layout.Layout`
+builds both. Tensor-parallel peers see the same data, so:
 
 - item counts, loss sums and window lengths of *data* are summed over the data-parallel
-  group only (``dp_group``, ``world_size`` = the dp size); decisions every rank must take
-  together (window lengths before the first forward, out-of-memory) are agreed over every
-  rank (``agree_sum``), or a tp peer with another window would hang in a tp collective;
-- FSDP2 averages over the dp dim only: ``grad_divisor`` is the dp size;
-- the global norm counts every shard once and no copy twice: each rank sums ``|g|**p``
-  over its local parts that are the first copy along every replicated dim (a
-  ``Replicate`` tp placement, or a parameter left out of the tp plan, which lives on the
-  dp mesh alone and is copied across tp), then one all-reduce over every rank (a max for
-  the inf-norm). The norm is taken after backward.
-
-HSDP with tensor parallelism (a 3-D mesh) is refused.
+  ranks only (``dp_group``: FSDP2's shard group, or under HSDP the replicate x shard ranks
+  as one group; ``world_size`` = the dp size); decisions every rank must take together
+  (window lengths before the first forward, out-of-memory) are agreed over every rank
+  (``agree_sum``), or a tp peer with another window would hang in a tp collective;
+- FSDP2 averages over the dp dims only (replicate x shard): ``grad_divisor`` is the dp size;
+- the global norm counts every shard once and no copy twice: each rank sums ``|g|**p`` of
+  its local parts, weighted by :func:`~gradstep.parallel.dtensor.counted` over every rank
+  (0 on a copy along a ``Replicate`` dim: an HSDP replica, a ``Replicate`` tp placement; a
+  parameter left out of the tp plan lives on the dp mesh alone and is copied across tp),
+  then one all-reduce over every rank (a max for the inf-norm). The norm is taken after
+  backward.
 """
 
 from __future__ import annotations
@@ -26,8 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .base import ProcessGroupStrategy
-from .dtensor import first_copy, shard_norm, to_local
+from .dtensor import counted, shard_norm, to_local
 from .fsdp2 import FSDP2Strategy, fsdp_mesh_info
 
 __all__ = ["FSDP2TPStrategy"]
@@ -39,28 +41,12 @@ class FSDP2TPStrategy(FSDP2Strategy):
     model_parallel = True
 
     def __init__(self, model: nn.Module) -> None:
-
-        from ..errors import UnsupportedSetup
+        import torch.distributed as dist
 
         info = fsdp_mesh_info(model)
-        if hasattr(info, "replicate_mesh_rank"):
-            raise UnsupportedSetup(
-                "HSDP with tensor parallelism (a (replicate, shard, tp) mesh) is not "
-                "supported: use HSDP, or FSDP2 over the dp dim of a (dp, tp) mesh"
-            )
-        ProcessGroupStrategy.__init__(self, info.shard_process_group)
-        self.model = model
-        self.norm_weight = 1.0
-        self.replicas = 1
-        self.dp_mesh = info.mesh
+        _check_meshes(model, info.mesh, dist.get_world_size())
+        self._from_mesh(model, info, _dp_group(info))
         self.tp_size = self.agree_ranks // self.world_size
-        full = _check_meshes(model, self.dp_mesh, self.agree_ranks)
-        dp_names = set(self.dp_mesh.mesh_dim_names or ())
-        # Parameters on the dp mesh alone are copies across the other dims: they count on
-        # this rank only where its coordinates on those dims are all 0.
-        self._first_on_model_dims = all(
-            full.get_local_rank(name) == 0 for name in full.mesh_dim_names if name not in dp_names
-        )
 
     @staticmethod
     def detects(model: nn.Module) -> bool:
@@ -74,29 +60,27 @@ class FSDP2TPStrategy(FSDP2Strategy):
     def final_grads(self, params: Sequence[nn.Parameter], record: Callable) -> Any:
         return None  # the norm is taken after backward (see the module docs)
 
-    def counted(self, t: torch.Tensor) -> bool:
-        """Whether this rank's part of ``t`` counts in a sum over every rank."""
-        mesh = getattr(t, "device_mesh", None)
-        if mesh is not None and mesh.size() == self.agree_ranks:
-            return first_copy(t)
-        return first_copy(t) and self._first_on_model_dims
-
     def total_norm(self, grads: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
-        import torch.distributed as dist
-
         if math.isinf(norm_type):  # copies do not change a max
-            out = shard_norm(grads, norm_type).to(torch.float64, copy=True)
-            dist.all_reduce(out, op=dist.ReduceOp.MAX)  # over every rank, not dp alone
-            return out
+            return self.agree_max(shard_norm(grads, norm_type))  # over every rank
         locals_ = [to_local(g) for g in grads]
         device = locals_[0].device if locals_ else torch.device("cpu")
         powers = [
-            torch.linalg.vector_norm(g, norm_type, dtype=torch.float64) ** norm_type
+            torch.linalg.vector_norm(g, norm_type, dtype=torch.float64) ** norm_type * weight
             for g, whole in zip(locals_, grads, strict=True)
-            if g.numel() and self.counted(whole)
+            if g.numel() and (weight := counted(whole, self.agree_ranks))
         ]
         mine = torch.stack(powers).sum() if powers else torch.zeros((), dtype=torch.float64)
         return self.agree_sum(mine.reshape(1).to(device)).reshape(()) ** (1.0 / norm_type)
+
+
+def _dp_group(info: Any) -> Any:
+    """The data-parallel ranks as one process group: FSDP2's shard group, or under HSDP
+    its (replicate, shard) mesh flattened (torchtitan's way; a group made once per mesh,
+    on every rank together)."""
+    if not hasattr(info, "replicate_mesh_rank"):
+        return info.shard_process_group
+    return info.mesh._flatten().get_group()
 
 
 def _check_meshes(model: nn.Module, dp_mesh: Any, world: int) -> Any:
@@ -127,7 +111,8 @@ def _check_meshes(model: nn.Module, dp_mesh: Any, world: int) -> Any:
         raise UnsupportedSetup(
             f"the FSDP2 device mesh spans {dp_mesh.size()} of {world} ranks and no parameter "
             "is tensor parallel over the rest: gradstep supports data parallelism over the "
-            "whole default process group, HSDP, and FSDP2 + tensor parallel (a (dp, tp) mesh); "
-            "pipeline parallelism is not supported (docs/distributed.md)"
+            "whole default process group, HSDP, and FSDP2 + tensor parallel (a (dp, tp) or "
+            "(dp_replicate, dp_shard, tp) mesh); pipeline parallelism is not supported "
+            "(docs/distributed.md)"
         )
     return full

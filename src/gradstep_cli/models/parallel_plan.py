@@ -37,21 +37,22 @@ def gpt_tp_plan() -> dict[str, Any]:
     }
 
 
+def layout_of(cfg: TrainConfig) -> parallel.Layout:
+    """The run's layout: ``--hsdp R`` replicas, ``--tp N`` tensor-parallel ranks."""
+    return parallel.Layout(dp_replicate=cfg.hsdp, tp=cfg.tp)
+
+
 def prepare(model: nn.Module, cfg: TrainConfig) -> nn.Module:
     """``model`` wrapped as the run lays it out (``--strategy``, ``--tp``, ``--hsdp``)."""
-    layout: dict[str, Any] = {}
-    if cfg.tp > 1:
-        layout = {"tp": cfg.tp, "tp_plan": gpt_tp_plan()}
-    elif cfg.hsdp > 1:
-        layout = {"hsdp": cfg.hsdp}
-    return parallel.prepare_model(model, cfg.strategy, cfg.precision, **layout)
+    layout = layout_of(cfg) if cfg.strategy == "fsdp" else None
+    plan = gpt_tp_plan() if cfg.tp > 1 else None
+    return parallel.prepare_model(model, cfg.strategy, cfg.precision, layout=layout, tp_plan=plan)
 
 
 def data_rank(cfg: TrainConfig, rank: int, world: int) -> tuple[int, int]:
-    """(this rank's data rank, the number of data ranks): ranks that read different data.
-    Under ``--tp N`` the mesh is ``(W/N, N)``, row-major, so rank ``r`` reads data rank
-    ``r // N``'s micro-batches; otherwise every rank reads its own."""
-    return rank // cfg.tp, world // cfg.tp
+    """(this rank's data rank, the number of data ranks): ranks that read different data."""
+    layout = layout_of(cfg)  # resolved (dp_size) only once preflight checked the sizes
+    return layout.data_rank(rank), world // layout.tp
 
 
 def data_ranks_note(cfg: TrainConfig, world: int) -> str | None:

@@ -1,7 +1,7 @@
 """The run in the terms of the library's memory model: the shape of the run's model, the
 memory of its optimizer, its dtypes and sharding (``gradstep.memory.estimate_step_memory``'s
-arguments), from its flags. The one place the demo's names meet the library's: the library
-knows no ``--optimizer`` and no demo config."""
+arguments), from its flags. The one place the command line's names meet the library's: the
+library knows no ``--optimizer`` and no ``TrainConfig``."""
 
 from __future__ import annotations
 
@@ -19,12 +19,15 @@ from gradstep.memory import (
     from_hf_config,
     lora_targets,
 )
+from gradstep.parallel import Layout
 from gradstep_cli.config.settings import TrainConfig
 from gradstep_cli.models.gpt import GPTConfig
+from gradstep_cli.models.spec import ModelSpec
 
 __all__ = [
     "estimate_kwargs",
     "gpt_shape",
+    "model_shape",
     "optimizer_memory",
     "quiet",
     "quiet_hf_config",
@@ -34,15 +37,13 @@ __all__ = [
 _COMPUTE = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def shape_of(cfg: TrainConfig, width: int | None = None) -> Shape:
+def model_shape(model: ModelSpec, width: int | None = None) -> Shape:
     """The analytic model's shape of the run's model for rows of ``width`` (default
-    ``--seq-len``): the demo GPT's, or the HF model's from its config (with LoRA)."""
+    ``--seq-len``): the toy GPT's, or the HF model's from its config, with LoRA."""
+    cfg, config = model.cfg, model.config
     seq_len = width or cfg.seq_len
     if not cfg.is_hf:
-        from gradstep_cli.models.hf import gpt_config
-
-        return gpt_shape(gpt_config(cfg), seq_len)
-    config = quiet_hf_config(cfg)
+        return gpt_shape(config, seq_len)
     return from_hf_config(
         config,
         seq_len,
@@ -52,8 +53,14 @@ def shape_of(cfg: TrainConfig, width: int | None = None) -> Shape:
     )
 
 
+def shape_of(cfg: TrainConfig, width: int | None = None) -> Shape:
+    """:func:`model_shape` of ``cfg``'s model, for a caller without the model stage (an hf:
+    model's config is read here)."""
+    return model_shape(ModelSpec.of(cfg, quiet_hf_config(cfg) if cfg.is_hf else None), width)
+
+
 def gpt_shape(gpt: GPTConfig, seq_len: int | None = None) -> TransformerShape:
-    """The analytic model's shape of the demo GPT ``gpt`` (rows of ``seq_len``, default its
+    """The analytic model's shape of the toy GPT ``gpt`` (rows of ``seq_len``, default its
     ``max_seq_len``)."""
     return TransformerShape(
         n_layer=gpt.n_layer,
@@ -85,8 +92,7 @@ def estimate_kwargs(cfg: TrainConfig, device: torch.device, world: int) -> dict:
         "compute_dtype": _COMPUTE[cfg.precision],
         "world_size": world,
         "sharded": cfg.strategy == "fsdp",
-        "tp": cfg.tp,
-        "hsdp": cfg.hsdp,
+        "layout": Layout(dp_replicate=cfg.hsdp, tp=cfg.tp),
         "optimizer": optimizer_memory(cfg),
         "dropout": cfg.dropout,
         "attention": "math" if cfg.dropout > 0 and device.type == "cpu" else "fused",
