@@ -1231,13 +1231,10 @@ MUTATIONS = [
     m(
         "H23",
         "--tp: data rank is r % N (the tp coordinate), not r // N",
-        "gradstep_cli/models/parallel_plan.py",
-        [
-            (
-                "    return rank // cfg.tp, world // cfg.tp",
-                "    return rank % cfg.tp, world // cfg.tp",
-            )
-        ],
+        # re-expressed (issue 29): parallel_plan.data_rank now asks the library's Layout, where
+        # the rule lives.
+        "gradstep/parallel/layout.py",
+        [("        return rank // self.tp", "        return rank % self.tp")],
         "tests",
     ),
     m(

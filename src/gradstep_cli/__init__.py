@@ -11,8 +11,9 @@ needs the ``cli`` extra: ``pip install 'gradstep[cli]'``.
 
 One package per concern:
 
-- :mod:`.cli` (the sub-commands), :mod:`.train` (the training script: setup, then the loop),
-  :mod:`.report` (``gradstep report``);
+- :mod:`.cli` (the sub-commands), :mod:`.train` (``gradstep train`` as one pipeline: checks
+  -> data -> model -> plan -> run, each stage a small value in its concern's package, then
+  the loop), :mod:`.report` (``gradstep report``);
 - :mod:`.config`: ``TrainConfig`` (flags, TOML), its checks, what is refused before anything
   is built;
 - :mod:`.data`: files and records (text, JSONL formats), token streams, batches and windows;
@@ -20,7 +21,7 @@ One package per concern:
   the ranks;
 - :mod:`.plan`: ``--micro-batch-size auto`` and ``gradstep plan``, in the library's memory
   model's terms;
-- :mod:`.run`: a training run's folder, lock, resume, schedule, evaluation, optimizer and
-  summary;
+- :mod:`.run`: a training run's launch, folder, lock, resume, schedule, evaluation,
+  optimizer, loop and summary;
 - :mod:`.export`: a run's checkpoint as a Hugging Face folder.
 """

@@ -1,9 +1,9 @@
 """Command line: ``gradstep train``, ``plan``, ``report`` and ``export`` (more plug in the
 same way).
 
-Flags are generated from :class:`~gradstep_cli.config.settings.TrainConfig` so the CLI, the TOML
-file and the dataclass can never disagree about a parameter's name, type or help text.
-Every flag defaults to "not given", so only flags actually typed override the TOML file.
+The flags of ``train`` and ``plan`` are generated from
+:class:`~gradstep_cli.config.settings.TrainConfig` (:mod:`gradstep_cli.config.flags`), in
+groups by section.
 
 Every user mistake ends as one line ``gradstep COMMAND: error: ...`` and exit status 2
 (``gradstep plan --json`` also prints it as ``{"error": ...}`` on stdout); a failure of the
@@ -24,7 +24,9 @@ import typing
 from collections.abc import Callable, Sequence
 
 from gradstep.errors import GradstepError
-from gradstep_cli.config.settings import TrainConfig, load_toml, resolve
+from gradstep_cli.config.flags import add_config_flags
+from gradstep_cli.config.loading import load_toml, resolve
+from gradstep_cli.config.settings import TrainConfig
 
 __all__ = ["CLI_EXTRA", "build_parser", "main"]
 
@@ -32,24 +34,6 @@ CLI_EXTRA = ("tqdm", "tomli") if sys.version_info < (3, 11) else ("tqdm",)
 """What the command line needs beyond the library: ``pip install 'gradstep[cli]'``."""
 
 Handler = Callable[[argparse.Namespace], int]
-_METAVARS = {
-    "data": "PATH",
-    "out": "DIR",
-    "resume": "PATH",
-    "clip": "SPEC",
-    "device": "DEVICE",
-    "micro_batch_size": "N|auto",
-    "memory_budget": "SIZE",
-    "model": "gpt|hf:PATH",
-    "lora": "R",
-    "aux_loss_coef": "COEF",
-}
-
-
-def _flag_type(hint: typing.Any) -> type:
-    """``int``/``float``/``str`` from a field hint (``str | None`` -> ``str``)."""
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    return args[0] if args else hint
 
 
 def _add_train_parser(sub: argparse._SubParsersAction) -> None:
@@ -62,40 +46,8 @@ def _add_train_parser(sub: argparse._SubParsersAction) -> None:
         "(text, prompt/completion, chat messages), with the exact accumulate-and-clip step. "
         "Precedence: defaults < --config < flags.",
     )
-    _add_config_flags(parser)
+    add_config_flags(parser)
     parser.set_defaults(handler=_run_train)
-
-
-def _add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per TrainConfig field (and ``--config``), shared by train and plan."""
-    parser.add_argument("--config", metavar="FILE.toml", help="TOML file of train settings")
-    hints = typing.get_type_hints(TrainConfig)
-    for f in dataclasses.fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
-        kind = f.metadata.get("type") or _flag_type(hints[f.name])
-        shown = f.metadata.get("default_help", f.default)  # an automatic default says how
-        if kind is bool:  # --flag / --no-flag; argparse's type=bool would take "False" as True
-            parser.add_argument(
-                flag,
-                dest=f.name,
-                action=argparse.BooleanOptionalAction,
-                default=argparse.SUPPRESS,
-                help=f"{f.metadata['help']} (default: {shown})",
-            )
-            continue
-        parser.add_argument(
-            flag,
-            dest=f.name,
-            type=kind,
-            choices=f.metadata.get("choices"),
-            nargs=f.metadata.get("nargs"),
-            const=f.metadata.get("const"),
-            default=argparse.SUPPRESS,  # absent flags must not override the TOML file
-            help=f"{f.metadata['help']} (default: {shown})",
-            metavar=None
-            if "choices" in f.metadata
-            else _METAVARS.get(f.name, getattr(kind, "__name__", "VALUE").upper()),
-        )
 
 
 def _config(args: argparse.Namespace) -> tuple[TrainConfig, set[str]]:
@@ -130,7 +82,7 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
         "`gradstep train` flag and refuses, before probing, what train would refuse; under "
         'torchrun it plans for the launched ranks. With --json, errors are {"error": ...} too.',
     )
-    _add_config_flags(parser)
+    add_config_flags(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead")
     parser.add_argument(
         "--no-probe", action="store_true", help="analytic estimate only (nothing is allocated)"
@@ -139,28 +91,40 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
+    """The first stages of ``gradstep train`` (checks, data, model), then the planner."""
     from gradstep import parallel
-    from gradstep_cli.config.preflight import check_run
-    from gradstep_cli.plan.planning import plan_run
+    from gradstep_cli.data.load import load_data
+    from gradstep_cli.models.spec import resolve_model
+    from gradstep_cli.plan import planning
+    from gradstep_cli.run.launch import Launch
+    from gradstep_cli.run.start import check_plan
 
     cfg, _ = _config(args)
     owns_group = not parallel.is_initialized()
     env = parallel.init(cfg.device, timeout_s=cfg.collective_timeout)
     try:
         # What train would refuse, refused the same way before anything is probed.
-        check_run(cfg, env, planning=True)
+        checked = check_plan(cfg, Launch.of(cfg, env))
         with parallel.quiet_unless_main():
-            planned = plan_run(cfg, env.device, probe=not args.no_probe)
-            if args.json:
-                print(json.dumps(planned.to_json()))
-            else:
-                if planned.probe is not None:
-                    print(planned.probe.describe())
-                print(planned.plan.table())
+            data = load_data(checked)
+            model = resolve_model(checked)
+            planned = planning.plan_for(
+                cfg, checked.launch, model, data.source, probe=not args.no_probe
+            )
+            _print_plan(planned, args.json)
     finally:
         if owns_group:
             parallel.shutdown(barrier=False)
     return 0
+
+
+def _print_plan(planned: typing.Any, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(planned.to_json()))
+        return
+    if planned.probe is not None:
+        print(planned.probe.describe())
+    print(planned.plan.table())
 
 
 def _add_report_parser(sub: argparse._SubParsersAction) -> None:
@@ -236,7 +200,8 @@ def _run_export(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
-        prog="gradstep", description="Exact gradient accumulation and clipping, with a demo."
+        prog="gradstep",
+        description="Exact gradient accumulation and clipping: train, plan, report, export.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_train_parser(sub)

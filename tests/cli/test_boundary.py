@@ -1,7 +1,7 @@
-"""The line between the library and its demo, in content (docs/demo.md, "The library and
-the demo"): the library imports and runs without the demo's packages, the demo uses only
-the library's public names, and the one library -> demo edge (``python -m gradstep``) says
-what to install when the demo's packages are missing."""
+"""The line between the library and its command line, in content (docs/demo.md, "The
+library and the demo"): the library imports and runs without the CLI's packages, the CLI
+uses only the library's public names, and the one library -> CLI edge (``python -m
+gradstep``) says what to install when the CLI's packages are missing."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
-DEMO = Path(gradstep_cli.__file__).parent
+CLI = Path(gradstep_cli.__file__).parent
 
 # Makes ``import tqdm`` / ``import tomli`` fail as if they were not installed.
 BLOCK = """
@@ -60,7 +60,7 @@ def test_the_cli_extra_is_what_pyproject_declares():
         assert Requirement(name).name not in {r.name for r in reqs}
 
 
-def test_the_library_imports_every_module_without_the_demo_extra():
+def test_the_library_imports_every_module_without_the_cli_extra():
     walk = """
 import pkgutil, sys, gradstep
 names = [m.name for m in pkgutil.walk_packages(gradstep.__path__, "gradstep.")
@@ -77,7 +77,7 @@ print(len(names), loaded)
 
 
 @pytest.mark.parametrize("blocked", [True, False])
-def test_python_m_gradstep_without_the_demo_extra_says_what_to_install(blocked):
+def test_python_m_gradstep_without_the_cli_extra_says_what_to_install(blocked):
     main = 'import runpy, sys; sys.argv = ["gradstep", "train", "--help"]\n'
     main += 'runpy.run_module("gradstep", run_name="__main__", alter_sys=True)\n'
     done = run_python((BLOCK if blocked else "") + main)
@@ -123,21 +123,21 @@ def _public(module_name: str, name: str | None) -> str | None:
     return None
 
 
-def test_the_demo_imports_only_public_library_names():
+def test_the_cli_imports_only_public_library_names():
     """Public (docs/demo.md): in the ``__all__`` of ``gradstep``, of a subpackage's
     ``__init__`` or of a top-level module, none named with a leading underscore; a
     subpackage's own modules are its inside. Imports inside functions count too."""
     checked, wrong = 0, []
-    for path in sorted(DEMO.rglob("*.py")):
+    for path in sorted(CLI.rglob("*.py")):
         for line, module, name in _library_imports(path):
             checked += 1
             why = _public(module, name)
             if why is not None:
-                wrong.append(f"{path.relative_to(DEMO)}:{line}: {why}")
+                wrong.append(f"{path.relative_to(CLI)}:{line}: {why}")
     assert checked > 40 and not wrong, wrong
 
 
-def test_the_rule_refuses_what_the_demo_used_to_import():
+def test_the_rule_refuses_what_the_cli_used_to_import():
     assert _public("gradstep._validate", "check_choice") == "gradstep._validate is private"
     assert _public("gradstep.step.precision", "PRECISIONS") == (
         "gradstep.step.precision is inside gradstep.step: import from its __init__"
@@ -155,8 +155,8 @@ def test_the_rule_refuses_what_the_demo_used_to_import():
     )
 
 
-def test_the_demos_precisions_are_the_steppers():
-    """The demo lists ``--precision``'s choices itself (the library does not export its
+def test_the_clis_precisions_are_the_steppers():
+    """The CLI lists ``--precision``'s choices itself (the library does not export its
     table); they must stay the Stepper's."""
     from gradstep.step.precision import PRECISIONS as STEPPER_PRECISIONS
 

@@ -140,7 +140,7 @@ def _newer_step(checkpoints: Path) -> None:
     step 2 under its own number) and prune down to one checkpoint."""
     shutil.copytree(checkpoints / "step-000002", checkpoints / "step-000003")
     _rewrite_manifest(checkpoints / "step-000003", lambda raw: raw.update(step=3))
-    layout._prune(checkpoints, keep=1, protect={checkpoints / "step-000003"})
+    layout.prune(checkpoints, keep=1, protect={checkpoints / "step-000003"})
 
 
 def _trainer_saves_during(monkeypatch: pytest.MonkeyPatch, name: str) -> None:

@@ -19,6 +19,7 @@ TINY = [
     "--seq-len", "32", "--micro-batch-size", "2", "--accum-steps", "2", "--eval-batches", "2",
     "--eval-every", "0", "--sample-tokens", "4", "--warmup", "1",
 ]  # fmt: skip
+
 SHAPE = dict(
     hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=64,
@@ -78,88 +79,3 @@ def test_moe_aux_loss_is_reported_beside_the_loss(tmp_path: Path) -> None:
     assert main([*run, "--max-steps", "2"]) == 0
     rows = _rows(out)
     assert all(0 < r["aux"]["router"] < 1 for r in rows)  # coef 0.02 x aux ~ n_experts
-
-
-def test_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    small = _config(tmp_path, "llama", vocab=100)
-    assert main(["train", *TINY, "--model", f"hf:{small}", "--out", str(tmp_path / "a")]) == 2
-    assert "vocab_size must be >= 256" in capsys.readouterr().err
-    missing = f"hf:{tmp_path / 'nothing'}"
-    assert main(["train", *TINY, "--model", missing, "--out", str(tmp_path / "b")]) == 2
-    assert "neither a config.json" in capsys.readouterr().err
-    assert main(["train", *TINY, "--lora", "2", "--out", str(tmp_path / "c")]) == 2
-    assert "--lora needs --model hf:PATH" in capsys.readouterr().err
-
-
-def _notes(tmp_path: Path, capsys: pytest.CaptureFixture[str], model: Path, **cfg: object) -> str:
-    from gradstep_cli.config.settings import TrainConfig
-    from gradstep_cli.models.hf import hf_config
-
-    capsys.readouterr()
-    hf_config(TrainConfig(model=f"hf:{model}", seq_len=32, **cfg))
-    return capsys.readouterr().err
-
-
-def test_a_moe_without_its_router_loss_says_so_once(tmp_path, capsys):
-    """hf-client friction 4: a MoE config ships output_router_logits false; without
-    --aux-loss-coef the run trained with no load balancing and no word about it."""
-    moe = _config(tmp_path, "mixtral")
-    err = _notes(tmp_path, capsys, moe)
-    assert err.count("\n") == 1 and "router load-balancing loss is off" in err
-    assert "--aux-loss-coef" in err and "0.001" in err  # Mixtral's default coefficient
-    assert _notes(tmp_path, capsys, moe, aux_loss_coef=0.02) == ""  # turned on: no note
-    from transformers import AutoConfig
-
-    on = AutoConfig.from_pretrained(str(moe))
-    on.output_router_logits = True  # the config's own loss is on
-    on.save_pretrained(tmp_path / "moe_on")
-    assert _notes(tmp_path, capsys, tmp_path / "moe_on") == ""
-    assert _notes(tmp_path, capsys, _config(tmp_path, "llama")) == ""  # dense: nothing to say
-
-
-def test_lora_shows_no_transformers_deprecation_warning(tmp_path):
-    """N68/N69: every --lora run printed transformers' FutureWarning about
-    is_gradient_checkpointing (PEFT reads the deprecated property)."""
-    import warnings
-
-    from gradstep_cli.config.settings import TrainConfig
-    from gradstep_cli.models.hf import build_model
-
-    cfg = TrainConfig(model=f"hf:{_config(tmp_path, 'llama')}", seq_len=32, lora=2)
-    before = list(warnings.filters)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        model = build_model(cfg)
-        warnings.warn("still shown", FutureWarning, stacklevel=1)  # the filter is local
-    assert [str(w.message) for w in caught] == ["still shown"], [str(w.message) for w in caught]
-    assert warnings.filters == before
-    assert any("lora_" in name for name, _ in model.named_parameters())
-
-
-def test_lora_on_fused_experts_shows_no_peft_internal_warning(tmp_path):
-    """PEFT's all-linear on Qwen3-MoE renames its own rank pattern for transformers 5's
-    fused experts and warns that the pattern matched nothing: PEFT's internals, not the
-    user's flags."""
-    import warnings
-
-    from gradstep_cli.config.settings import TrainConfig
-    from gradstep_cli.models.hf import build_model
-    from tests.support import hf_assets
-
-    folder = hf_assets.model_dir(tmp_path / "moe", "qwen3_moe", weights="none", tokenizer=False)
-    cfg = TrainConfig(model=f"hf:{folder}", seq_len=32, lora=2)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        build_model(cfg)
-    assert [str(w.message) for w in caught] == []
-
-
-def test_train_help_names_both_models(capsys):
-    with pytest.raises(SystemExit):
-        main(["--help"])
-    with pytest.raises(SystemExit):
-        main(["train", "--help"])
-    text = " ".join(capsys.readouterr().out.split())
-    assert "train the demo GPT or a Hugging Face causal LM" in text
-    assert "fine-tune a Hugging Face causal LM (--model hf:DIR: its weights and tokenizer)" in text
-    assert "byte-level text" not in text  # hf: models read their tokenizer's text, and JSONL

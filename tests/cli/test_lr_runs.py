@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from gradstep_cli.cli import main
-from tests.cli.test_lr_schedule import reference_factor
+from tests.cli.run.test_schedule import reference_factor
 from tests.support.batches import text_corpus
 
 TINY = [

@@ -65,4 +65,4 @@ def test_plan_on_two_ranks_refuses_a_global_batch_train_refuses(tmp_path: Path) 
     assert [json.loads(line) for line in lines] == [{"error": str(refused.value)}], proc.stdout
     assert f"gradstep plan: error: {refused.value}" in proc.stderr
     # torchrun prints its own ChildFailedError traceback; no frame of gradstep's may show.
-    assert not re.search(r'File "[^"]*gradstep(_demo)?/(\w+/)*\w+\.py"', proc.stderr)
+    assert not re.search(r'File "[^"]*gradstep(_cli)?/(\w+/)*\w+\.py"', proc.stderr)

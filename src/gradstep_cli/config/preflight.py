@@ -4,7 +4,7 @@
 plan), so the two commands refuse exactly the same settings with the same message, and a
 refusal costs no probe. Every check is a pure function of the config and the launch, so
 every rank of a torchrun job reaches the same verdict without a collective. :func:`note`
-is how the demo tells the user what it did (rank 0 only).
+is how the command line tells the user what it did (rank 0 only).
 """
 
 from __future__ import annotations
@@ -15,20 +15,22 @@ import torch
 
 from gradstep import parallel
 from gradstep_cli.config.settings import ConfigError, TrainConfig
+from gradstep_cli.run.launch import Launch
 
 __all__ = ["check_global_batch", "check_run", "gns_notes"]
 
 
-def check_run(cfg: TrainConfig, env: parallel.DistEnv, *, planning: bool = False) -> None:
+def check_run(cfg: TrainConfig, env: parallel.DistEnv | Launch, *, planning: bool = False) -> None:
     """Raise :class:`ConfigError` for a run ``cfg`` cannot be on this launch ``env``.
 
     ``planning``: the caller plans ``cfg`` (``gradstep plan``) rather than training it;
     also refuse what the planner cannot plan.
     """
-    _check_launch(cfg, env)
-    _check_mesh(cfg, env.world_size)
-    _check_device(cfg, env.device)
-    data_ranks = env.world_size // cfg.tp  # tensor-parallel peers read the same data
+    launch = env if isinstance(env, Launch) else Launch.of(cfg, env)
+    _check_launch(cfg, launch)
+    _check_mesh(cfg, launch.world_size)
+    _check_device(cfg, launch.device)
+    data_ranks = launch.data_ranks  # tensor-parallel peers read the same data
     if cfg.eval_batches < data_ranks:
         raise ConfigError(
             f"--eval-batches must be >= the number of {_ranks(cfg)} ({data_ranks}): every "
@@ -70,7 +72,7 @@ def _check_mesh(cfg: TrainConfig, world: int) -> None:
             )
 
 
-def _check_launch(cfg: TrainConfig, env: parallel.DistEnv) -> None:
+def _check_launch(cfg: TrainConfig, env: Launch) -> None:
     """--strategy and the launcher must agree: N processes without a strategy would train N
     unrelated models, and a strategy without torchrun has no other rank to sync with."""
     if cfg.strategy == "none" and env.world_size > 1:

@@ -2,8 +2,9 @@
 
 Every field is validated when a :class:`TrainConfig` is built, so a bad value fails before
 any data is loaded, with an error naming the parameter and what it accepts. The CLI builds
-its flags from the fields below (help text lives in each field's metadata), so a new field
-is one edit here.
+its flags (:mod:`.flags`) and the flag reference (:mod:`.reference`) from the fields below:
+help text and section live in each field's metadata, so a new field is one edit here. A
+TOML file and overrides are read by :mod:`.loading` (:func:`load_toml`, :func:`resolve`).
 """
 
 from __future__ import annotations
@@ -13,11 +14,9 @@ import dataclasses
 import functools
 import math
 import os
-import sys
 import types
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from gradstep.lr import LR_SCALING
@@ -39,21 +38,33 @@ from gradstep_cli.config.checks import (
 __all__ = [
     "PRECISIONS",
     "RESUME_AUTO",
+    "SECTIONS",
     "STRATEGIES",
     "ConfigError",
     "TrainConfig",
-    "load_toml",
-    "resolve",
+    "field_names",
 ]
 
 LR_SCALINGS = LR_SCALING
 RESUME_AUTO = "auto"  # bare `--resume`: the run folder's checkpoints/
 TIMEOUT_RANGE = TIMEOUT_RANGE_S
 """--collective-timeout bounds, in seconds (gradstep.parallel.TIMEOUT_RANGE_S)."""
+SECTIONS = {
+    "model": "the model: the toy GPT, or a Hugging Face causal LM and its LoRA adapters",
+    "data": "the data: training and validation files or records, sequence length",
+    "batch": "the batch: micro-batches, accumulation, global batch, memory, ramp, noise scale",
+    "optimizer": "the step: optimizer, learning rate, weight decay, clipping, precision",
+    "schedule": "the schedule: warm-up, decay, length",
+    "parallel": "where it runs: device, threads, ranks and how the model is laid over them",
+    "run": "the run: seed, run folder, evaluation, logging, checkpoints, resume",
+}
+"""Each field's ``section`` (its metadata): the groups of ``--help`` and of the flag
+reference, in this order."""
 
 
-def _f(default: Any, help: str, **extra: Any) -> Any:
-    return field(default=default, metadata={"help": help, **extra})
+def _f(section: str, default: Any, help: str, **extra: Any) -> Any:
+    """A field: its default, the flag's help and its section (a group of ``--help``)."""
+    return field(default=default, metadata={"section": section, "help": help, **extra})
 
 
 def micro_batch_size_arg(value: str) -> int | str:
@@ -73,156 +84,189 @@ def micro_batch_size_arg(value: str) -> int | str:
 class TrainConfig:
     """Everything ``gradstep train`` needs. Defaults give a ~2 minute CPU demo run."""
 
-    # model
     model: str = _f(
+        "model",
         "gpt",
         "gpt (the demo's byte-level GPT, shaped by --n-layer/--n-head/--d-model) or hf:PATH: "
         "a Hugging Face causal LM from a save_pretrained folder (its weights when present, "
         "else random init; its tokenizer) or a config.json (random init); never downloaded",
     )
     init: str = _f(
+        "model",
         "pretrained",
         "with hf:DIR: pretrained loads DIR's weights when it holds any (else random, with a "
         "note); random always starts from random weights (--seed)",
         choices=INITS,
     )
     tokenizer: str | None = _f(
+        "model",
         None,
         "with hf:DIR: tokenizer folder or file (default: DIR's own); the demo GPT reads bytes",
     )
-    lora: int = _f(0, "with hf:PATH: PEFT LoRA adapters of rank R, base frozen (0: none)")
+    lora: int = _f("model", 0, "with hf:PATH: PEFT LoRA adapters of rank R, base frozen (0: none)")
     lora_alpha: float | None = _f(
-        None, "LoRA scale numerator: the adapters are scaled by alpha / R", default_help="2 x R"
+        "model",
+        None,
+        "LoRA scale numerator: the adapters are scaled by alpha / R",
+        default_help="2 x R",
     )
-    lora_dropout: float = _f(0.0, "dropout on the LoRA adapters' input, in [0, 1)")
+    lora_dropout: float = _f("model", 0.0, "dropout on the LoRA adapters' input, in [0, 1)")
     lora_targets: str | None = _f(
+        "model",
         None,
         "modules that get adapters: all-linear (every linear layer but the output head) or "
         "NAME,NAME (module name suffixes)",
         default_help="PEFT's choice for the model type, else all-linear",
     )
     aux_loss_coef: float | None = _f(
+        "model",
         None,
         "with hf:PATH of a mixture of experts: turn on its router load-balancing loss with "
         "this coefficient (a mean over micro-batches, gradstep.hf)",
     )
     # None: the demo GPT's GPT_SHAPE; an hf: model's shape is its config.json's (recorded null).
-    n_layer: int | None = _f(None, "demo GPT: transformer blocks", default_help="4 (not with hf:)")
-    n_head: int | None = _f(None, "demo GPT: attention heads per block", default_help="4")
+    n_layer: int | None = _f(
+        "model", None, "demo GPT: transformer blocks", default_help="4 (not with hf:)"
+    )
+    n_head: int | None = _f("model", None, "demo GPT: attention heads per block", default_help="4")
     d_model: int | None = _f(
+        "model",
         None,
         "demo GPT: model width (divisible by n_head, even head size for RoPE)",
         default_help="160",
     )
-    dropout: float = _f(0.0, "dropout probability in [0, 1) of the demo GPT (hf: its config)")
-    # data
+    dropout: float = _f(
+        "model", 0.0, "dropout probability in [0, 1) of the demo GPT (hf: its config)"
+    )
     data: str | None = _f(
+        "data",
         None,
         "text file, folder (recursive) or glob, or JSONL of {text}, {prompt, completion} or "
         "{messages} records; default: stdlib .py",
     )
     val_data: str | None = _f(
-        None, "validation data, as --data (default: --val-fraction of --data held out)"
+        "data", None, "validation data, as --data (default: --val-fraction of --data held out)"
     )
     val_fraction: float = _f(
-        0.1, "share of --data held out for validation when --val-data is not given, in (0, 1)"
+        "data",
+        0.1,
+        "share of --data held out for validation when --val-data is not given, in (0, 1)",
     )
     skip_bad_records: bool = _f(
-        False, "skip (and count) JSONL records that cannot be used instead of stopping"
+        "data", False, "skip (and count) JSONL records that cannot be used instead of stopping"
     )
-    seq_len: int = _f(128, "maximum tokens (bytes) per sequence")
+    seq_len: int = _f("data", 128, "maximum tokens (bytes) per sequence")
     micro_batch_size: int | str = _f(
+        "batch",
         8,
         "sequences per micro-batch (what fits in memory), or auto: planned from "
         "--memory-budget (needs --global-batch)",
         type=micro_batch_size_arg,
+        type_help="int or `auto`",
     )
-    accum_steps: int = _f(4, "micro-batches accumulated into one optimizer step")
+    accum_steps: int = _f("batch", 4, "micro-batches accumulated into one optimizer step")
     global_batch: int | None = _f(
+        "batch",
         None,
         "sequences per optimizer step over all ranks, exact even when not a multiple of the "
         "micro-batch (the last one is shorter); replaces --accum-steps",
     )
     memory_budget: str | None = _f(
+        "batch",
         None,
         "memory per device for --micro-batch-size auto and gradstep plan, e.g. 1.5GiB or "
         "800MB (default: the device's free memory)",
     )
     batch_ramp: str | None = _f(
+        "batch",
         None,
         "grow the batch during training: START:STEPS (accumulation steps from START to "
         "--accum-steps over STEPS optimizer steps) or gns (double them whenever the measured "
         "noise scale exceeds the batch); the LR schedule then runs in sequences",
     )
     lr_scaling: str = _f(
+        "schedule",
         "none",
         "rescale the LR to the batch in use, relative to --accum-steps: none, linear (SGD) "
         "or sqrt (Adam)",
         choices=LR_SCALINGS,
     )
-    gns: bool = _f(False, "measure the gradient noise scale (gns_b_simple in metrics.jsonl)")
-    gns_beta: float = _f(0.99, "EMA decay of the noise-scale estimates, in [0, 1)")
+    gns: bool = _f(
+        "batch", False, "measure the gradient noise scale (gns_b_simple in metrics.jsonl)"
+    )
+    gns_beta: float = _f("batch", 0.99, "EMA decay of the noise-scale estimates, in [0, 1)")
     activation_checkpointing: bool = _f(
-        False, "recompute each transformer block in backward instead of keeping activations"
+        "batch",
+        False,
+        "recompute each transformer block in backward instead of keeping activations",
     )
-    # the step
-    clip: str = _f("norm:1.0", f"gradient clipping, one of: {spec_help()}")
+    clip: str = _f("optimizer", "norm:1.0", f"gradient clipping, one of: {spec_help()}")
     spike_guard: bool = _f(
-        False, "skip the update when the grad norm spikes > 6 sigma (SpikeGuard, before --clip)"
+        "optimizer",
+        False,
+        "skip the update when the grad norm spikes > 6 sigma (SpikeGuard, before --clip)",
     )
-    precision: str = _f("fp32", "compute precision", choices=PRECISIONS)
-    strategy: str = _f("none", "data-parallel strategy", choices=STRATEGIES)
+    precision: str = _f("optimizer", "fp32", "compute precision", choices=PRECISIONS)
+    strategy: str = _f("parallel", "none", "data-parallel strategy", choices=STRATEGIES)
     tp: int = _f(
+        "parallel",
         1,
         "tensor-parallel ranks, with --strategy fsdp and the demo GPT: each block's attention "
         "(whole heads) and MLP split over N ranks that read the same data, FSDP2 over the "
         "other ranks (a (dp, tp) mesh); N divides the ranks and --n-head",
     )
     hsdp: int = _f(
+        "parallel",
         1,
         "HSDP replicas, with --strategy fsdp: parameters sharded within each of R groups of "
         "ranks and copied across them (replicate across nodes, shard within); R divides the "
         "ranks",
     )
-    device: str = _f("auto", "auto (cuda if available), cpu, cuda, cuda:N or mps")
+    device: str = _f("parallel", "auto", "auto (cuda if available), cpu, cuda, cuda:N or mps")
     # One thread by default: two spin-waiting OpenMP threads slow down up to 20x as soon as
     # another process shares a 2-core CPU; one thread only loses its share of the CPU.
-    threads: int = _f(1, "CPU intra-op threads for torch (0: torch's default, all cores)")
-    # optimisation
+    threads: int = _f(
+        "parallel", 1, "CPU intra-op threads for torch (0: torch's default, all cores)"
+    )
     optimizer: str = _f(
+        "optimizer",
         "adamw",
         "adamw, sgd (momentum 0.9), lars or lamb (gradstep.optim, exact under FSDP2); biases "
         "and norm gains get no weight decay and no layer adaptation",
         choices=OPTIMIZERS,
     )
-    lr: float = _f(3e-3, f"peak learning rate (AdamW), in (0, {LR_MAX:g}]")
+    lr: float = _f("optimizer", 3e-3, f"peak learning rate (AdamW), in (0, {LR_MAX:g}]")
     min_lr: float | None = _f(
-        None, "learning rate at the end of the cosine decay", default_help="lr / 10"
+        "schedule", None, "learning rate at the end of the cosine decay", default_help="lr / 10"
     )
-    weight_decay: float = _f(0.1, "AdamW weight decay on matrices and embeddings")
+    weight_decay: float = _f("optimizer", 0.1, "AdamW weight decay on matrices and embeddings")
     warmup: int | None = _f(
+        "schedule",
         None,
         "linear warmup steps (full-batch steps, with --batch-ramp)",
         default_help=f"min({WARMUP_MAX}, max_steps // 5)",
     )
     max_steps: int = _f(
+        "schedule",
         150,
         "optimizer steps (windows) to run; with --batch-ramp the run's length in full-batch "
         "steps: it trains on as many sequences, in more, smaller steps",
     )
-    seed: int = _f(0, "seed for initialisation, data order and sampling")
-    # logging and outputs
-    out: str = _f("runs/demo", "run folder for config.json, metrics.jsonl, summary.json")
-    eval_every: int = _f(50, "validate every N steps (0: only at start and end)")
-    eval_batches: int = _f(20, "validation micro-batches per evaluation")
-    log_every: int = _f(10, "progress refresh / plain log line every N steps")
-    tensorboard: bool = _f(False, "also write TensorBoard events to OUT/tensorboard")
+    seed: int = _f("run", 0, "seed for initialisation, data order and sampling")
+    out: str = _f("run", "runs/demo", "run folder for config.json, metrics.jsonl, summary.json")
+    eval_every: int = _f("run", 50, "validate every N steps (0: only at start and end)")
+    eval_batches: int = _f("run", 20, "validation micro-batches per evaluation")
+    log_every: int = _f("run", 10, "progress refresh / plain log line every N steps")
+    tensorboard: bool = _f("run", False, "also write TensorBoard events to OUT/tensorboard")
     sample_tokens: int = _f(
-        200, "tokens (bytes for the demo GPT) to generate for the final sample (0: none)"
+        "run", 200, "tokens (bytes for the demo GPT) to generate for the final sample (0: none)"
     )
-    save_every: int = _f(0, "checkpoint to OUT/checkpoints every N steps and at the end (0: never)")
-    keep_checkpoints: int = _f(3, "how many of the newest checkpoints to keep")
+    save_every: int = _f(
+        "run", 0, "checkpoint to OUT/checkpoints every N steps and at the end (0: never)"
+    )
+    keep_checkpoints: int = _f("run", 3, "how many of the newest checkpoints to keep")
     resume: str | None = _f(
+        "run",
         None,
         "continue the newest valid checkpoint in DIR: a checkpoints folder, a run folder or "
         "one step-N folder (bare --resume: OUT/checkpoints); finding none is an error",
@@ -230,10 +274,15 @@ class TrainConfig:
         const=RESUME_AUTO,
     )
     resume_or_start: bool = _f(
-        False, "resume from OUT/checkpoints when it holds a valid checkpoint, else start a new run"
+        "run",
+        False,
+        "resume from OUT/checkpoints when it holds a valid checkpoint, else start a new run",
     )
-    overwrite: bool = _f(False, "start over in an OUT that holds a run, deleting that run first")
+    overwrite: bool = _f(
+        "run", False, "start over in an OUT that holds a run, deleting that run first"
+    )
     collective_timeout: float = _f(
+        "parallel",
         600.0,
         "seconds a rank waits in a collective before the job ends with an error, in "
         f"[{TIMEOUT_RANGE[0]:g}, {TIMEOUT_RANGE[1]:g}] (7 days)",
@@ -332,65 +381,11 @@ def field_names() -> list[str]:
     return [f.name for f in dataclasses.fields(TrainConfig)]
 
 
-def _tomllib() -> Any:
-    """The TOML reader: the standard library's, or before Python 3.11 the demo extra's
-    tomli (imported here, so the command line starts without it and says what is missing)."""
-    if sys.version_info >= (3, 11):
-        import tomllib
+def __getattr__(name: str) -> Any:
+    """``load_toml`` and ``resolve`` (:mod:`.loading`) are importable from here too; looked
+    up when first asked for, as :mod:`.loading` imports this module."""
+    if name in ("load_toml", "resolve"):
+        from gradstep_cli.config import loading
 
-        return tomllib
-    import tomli  # pragma: no cover - Python 3.10 only
-
-    return tomli  # pragma: no cover
-
-
-def load_toml(path: str | Path) -> dict[str, Any]:
-    """Read a flat TOML file of TrainConfig keys (``a-b`` is accepted for ``a_b``).
-
-    Keys may also sit under a ``[train]`` table. Unknown keys are an error rather than being
-    ignored, so a typo never silently runs with the default.
-    """
-    tomllib = _tomllib()
-    try:
-        with open(path, "rb") as fh:
-            raw = tomllib.load(fh)
-    except FileNotFoundError:
-        raise ConfigError(f"config file {str(path)!r} does not exist") from None
-    except IsADirectoryError:
-        raise ConfigError(f"config file {str(path)!r} is a folder, not a TOML file") from None
-    except OSError as exc:
-        raise ConfigError(f"config file {str(path)!r} cannot be read: {exc.strerror}") from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text ({exc})") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config file {str(path)!r} is not valid TOML: {exc}") from exc
-    tables = [("top level", {k: v for k, v in raw.items() if k != "train"})]
-    if isinstance(raw.get("train"), dict):
-        tables.append(("[train]", raw["train"]))
-    values: dict[str, Any] = {}
-    where: dict[str, str] = {}
-    for table, items in tables:
-        for key, value in items.items():
-            name = key.replace("-", "_")
-            if name in values:  # max_steps and max-steps, or the same key in two tables
-                raise ConfigError(
-                    f"{str(path)!r} sets {name} twice ({where[name]} and {table} {key!r}); keep one"
-                )
-            values[name], where[name] = value, f"{table} {key!r}"
-    known = field_names()
-    for key in values:
-        if key not in known:
-            raise ConfigError(
-                f"unknown key {key!r} in {str(path)!r}; valid keys: {', '.join(known)}"
-            )
-    return values
-
-
-def resolve(config_file: str | Path | None = None, **overrides: Any) -> TrainConfig:
-    """Defaults, then the TOML file, then ``overrides`` (None values mean "not given")."""
-    values = load_toml(config_file) if config_file is not None else {}
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    unknown = sorted(set(values) - set(field_names()))
-    if unknown:
-        raise ConfigError(f"unknown config parameter(s): {', '.join(unknown)}")
-    return TrainConfig(**values)
+        return getattr(loading, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

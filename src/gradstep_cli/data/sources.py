@@ -1,4 +1,4 @@
-"""The demo trainer's data: text files and JSONL records, read, split and batched.
+"""A run's data: text files and JSONL records, read, split and batched.
 
 ``--data`` names text files (a file, a folder searched recursively, or a glob:
 :mod:`.data_files`) or JSONL files of records (:mod:`.records`); one argument holds one

@@ -1,4 +1,4 @@
-"""The demo's training stream over token sequences: documents and records in one buffer.
+"""A run's training stream over token sequences: documents and records in one buffer.
 
 * A **document** (a text file, a ``{"text"}`` record) is language modelling on every token.
   The stream cuts it into spans of 2..seq_len+1 tokens; consecutive spans overlap by one

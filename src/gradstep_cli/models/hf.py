@@ -1,4 +1,4 @@
-"""``gradstep train --model hf:PATH``: a Hugging Face causal LM as the demo's model.
+"""``gradstep train --model hf:PATH``: a Hugging Face causal LM as the run's model.
 
 Nothing is ever downloaded. ``hf:DIR`` loads DIR's weights when it holds any, else (and
 with ``--init random``, and for ``hf:path/to/config.json``) random weights from ``--seed``;
@@ -45,11 +45,12 @@ WEIGHT_FILES = (
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-def build_model(cfg: TrainConfig) -> nn.Module:
-    """The run's model on the CPU: the demo GPT, or the HF model ``cfg.model`` names."""
+def build_model(cfg: TrainConfig, config: Any = None) -> nn.Module:
+    """The run's model on the CPU: the toy GPT, or the HF model ``cfg.model`` names, of
+    ``config`` (:func:`gpt_config`'s or :func:`hf_config`'s; made here when not given)."""
     if not cfg.is_hf:
-        return GPT(gpt_config(cfg))
-    model = _pretrained_or_random(cfg, hf_config(cfg))
+        return GPT(gpt_config(cfg) if config is None else config)
+    model = _pretrained_or_random(cfg, hf_config(cfg) if config is None else config)
     if not cfg.lora:
         return model
     from gradstep_cli.models.lora import (
@@ -270,13 +271,14 @@ def hf_config(cfg: TrainConfig) -> Any:
     return config
 
 
-def load_tokenizer(cfg: TrainConfig) -> Any:
+def load_tokenizer(cfg: TrainConfig, config: Any = None) -> Any:
     """The run's tokenizer: ``--tokenizer``, else DIR's own, else None (the data is read as
-    bytes; so for the demo GPT). It has a pad token (EOS when it has none: padding is masked
-    by length and labels, never by id) and fits the model's vocabulary."""
+    bytes; so for the toy GPT). It has a pad token (EOS when it has none: padding is masked
+    by length and labels, never by id) and fits the vocabulary of the model's ``config``
+    (read here when not given)."""
     if not cfg.is_hf:
         return None
-    config = _read_config(cfg)
+    config = _read_config(cfg) if config is None else config
     path = _path(cfg)
     folder = path if path.is_dir() else path.parent
     vocab = getattr(config, "vocab_size", None)
@@ -334,13 +336,13 @@ def _auto_tokenizer(source: Path, what: str) -> Any:
 
 
 def count_batch(batch: Batch) -> int:
-    """``count=`` of the demo's batches: their labels are already shifted."""
+    """``count=`` of a run's batches: their labels are already shifted."""
     return count_tokens(batch, shifted=True)
 
 
 @dataclass(frozen=True)
 class HFLoss:
-    """``loss_fn`` for an HF model on the demo's batches (pre-shifted labels, right padding:
+    """``loss_fn`` for an HF model on a run's batches (pre-shifted labels, right padding:
     no attention mask is needed for a causal model): :func:`gradstep.hf.causal_lm_loss`."""
 
     device: torch.device
@@ -351,7 +353,7 @@ class HFLoss:
 
 
 class LogitsOnly(nn.Module):
-    """``model(ids) -> logits`` for the demo's sampler, around an HF model."""
+    """``model(ids) -> logits`` for the summary's sampler, around an HF model."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()

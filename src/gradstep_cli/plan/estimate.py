@@ -19,9 +19,9 @@ from gradstep.memory import (
     from_hf_config,
     lora_targets,
 )
-from gradstep.parallel import Layout
 from gradstep_cli.config.settings import TrainConfig
 from gradstep_cli.models.gpt import GPTConfig
+from gradstep_cli.models.parallel_plan import layout_of
 from gradstep_cli.models.spec import ModelSpec
 
 __all__ = [
@@ -92,7 +92,7 @@ def estimate_kwargs(cfg: TrainConfig, device: torch.device, world: int) -> dict:
         "compute_dtype": _COMPUTE[cfg.precision],
         "world_size": world,
         "sharded": cfg.strategy == "fsdp",
-        "layout": Layout(dp_replicate=cfg.hsdp, tp=cfg.tp),
+        "layout": layout_of(cfg),
         "optimizer": optimizer_memory(cfg),
         "dropout": cfg.dropout,
         "attention": "math" if cfg.dropout > 0 and device.type == "cpu" else "fused",

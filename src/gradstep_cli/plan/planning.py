@@ -1,14 +1,16 @@
 """``--micro-batch-size auto`` and ``gradstep plan``: the run's model, probed and planned.
 
-The probe builds a throwaway copy of the run's model (the demo GPT, or the Hugging Face
-model ``hf:DIR`` as ``hf_model.build_model`` builds it: pretrained weights, LoRA; same
-dropout, precision, sharding and optimizer), takes a real ``Stepper.step`` of one
-micro-batch at two or three sizes, then at a few more sequence lengths until the kernel
-caches are full, and reads the peak (``gradstep.memory.probe_memory``); the analytic model
+The probe builds a throwaway instance of the run's model (the toy GPT, or the Hugging Face
+model ``hf:DIR`` as :class:`~gradstep_cli.models.spec.ModelSpec` builds it: pretrained
+weights, LoRA; same dropout, precision, sharding and optimizer), takes a real
+``Stepper.step`` of one micro-batch at two or three sizes, then at a few more sequence
+lengths until the kernel caches are full, and reads the peak
+(``gradstep.memory.probe_memory``); the analytic model
 (``TransformerShape``, or ``HFShape`` from the model's config) turns that into a prediction
 for every candidate (micro-batch size x checkpointing). An HF model is probed at its
 data's longest row (a micro-batch is padded to its longest row, at most ``--seq-len``) and
-its shape sweep runs the data's other lengths. Rank 0's plan is every rank's.
+its shape sweep runs the data's other lengths (the data stage's: never read again). Rank
+0's plan is every rank's.
 """
 
 from __future__ import annotations
@@ -26,46 +28,29 @@ from gradstep.memory import (
     BudgetTooSmall,
     Plan,
     ProbeResult,
-    available_bytes,
-    bound_kernel_caches,
     budget_text,
     checkpoint_blocks,
     current_bytes,
     estimate_step_memory,
     format_bytes,
     needed_budget,
-    parse_size,
     peak_bytes,
-    pin_mmap_threshold,
     plan_step,
     probe_memory,
     probe_step_time,
     reset_peak,
-    runtime_bytes,
     step_predictor,
     sweep_widths,
 )
 from gradstep_cli.config.settings import ConfigError, TrainConfig
-from gradstep_cli.models.gpt import GPTConfig
 from gradstep_cli.models.parallel_plan import prepare
-from gradstep_cli.plan.estimate import estimate_kwargs, quiet, quiet_hf_config, shape_of
+from gradstep_cli.models.spec import ModelSpec
+from gradstep_cli.plan.budget import MARGIN, analytic_fixed_bytes, device_budget
+from gradstep_cli.plan.estimate import estimate_kwargs, model_shape, quiet, quiet_hf_config
+from gradstep_cli.run.launch import Launch
 
-__all__ = [
-    "Planned",
-    "device_budget",
-    "estimate_kwargs",
-    "plan_run",
-    "predict_fixed",
-    "prepare_process",
-    "shape_of",
-]
+__all__ = ["Planned", "plan_for", "plan_run"]
 
-MARGIN = 0.1
-"""Share of the budget the plan leaves free (prediction error, allocator slack)."""
-CPU_KERNEL_CACHE_BYTES = 24 * 2**20
-"""CPU, bf16/fp16: what oneDNN's kernel caches, bounded by ``bound_kernel_caches``, hold
-beyond one input shape when full (two more shapes of the demo GPT, ~12 MiB each, torch
-2.13): the analytic estimate's stand-in for the probe's shape sweep."""
 SWEEP_SHAPES = 6
 
 
@@ -108,100 +93,17 @@ class _Data:
     """Held while probing, so that the probe's baseline holds the data as the run will."""
 
 
-def device_budget(cfg: TrainConfig, device: torch.device) -> int:
-    """``--memory-budget``, else what this device has free (CUDA: free device memory; CPU:
-    available memory plus what this process already holds)."""
-    if cfg.memory_budget is not None:
-        return parse_size(cfg.memory_budget)
-    try:
-        return available_bytes(device)
-    except (OSError, KeyError, ValueError):
-        raise ConfigError(
-            "cannot read this machine's free memory: give --memory-budget (e.g. 4GiB)"
-        ) from None
-
-
-def _settle_process(cfg: TrainConfig, device: torch.device) -> None:
-    """Pin glibc's mmap threshold (freed activations leave the process) and bound oneDNN's
-    kernel caches (new sequence lengths cannot grow it for ever): on CPU the budget is the
-    resident set, and both make it follow the live tensors."""
-    if device.type == "cpu":
-        pin_mmap_threshold()
-        bound_kernel_caches()
-
-
-def _fixed_bytes(cfg: TrainConfig, device: torch.device) -> int:
-    """The analytic estimate's fixed cost: the runtime now (+ the first steps' lazy costs)
-    and, on CPU in low precision, the full kernel caches."""
-    caches = CPU_KERNEL_CACHE_BYTES if device.type == "cpu" and cfg.precision != "fp32" else 0
-    return runtime_bytes(device) + caches
-
-
-def predict_fixed(cfg: TrainConfig, device: torch.device, world: int) -> int:
-    """Analytic peak per rank of the run's fixed micro-batch size on ``world`` launched
-    ranks (cheap: no model built)."""
-    from gradstep_cli.data.batching import layout_for
-
-    layout = layout_for(cfg, world // cfg.tp)  # the batch is split over the data ranks
-    est = estimate_step_memory(
-        shape_of(cfg),
-        layout.micro_batch_size,
-        activation_checkpointing=cfg.activation_checkpointing,
-        accum_steps=layout.micro_batches,
-        fixed_bytes=_fixed_bytes(cfg, device),
-        **estimate_kwargs(cfg, device, world),
-    )
-    return est.total
-
-
-def prepare_process(cfg: TrainConfig, device: torch.device) -> list[str]:
-    """The process settings a memory budget's prediction relies on, before the run builds
-    anything (called by ``gradstep train`` for every run); returns lines to print.
-
-    Whenever a budget is given (or planned for), on CPU: the mmap threshold and the kernel
-    caches (:func:`_settle_process`). With a fixed ``--micro-batch-size`` the budget is not
-    planned for, so the analytic prediction of the fixed choice is said, as a warning
-    when it does not fit.
-    """
-    if cfg.memory_budget is None and not cfg.auto_micro_batch:
-        return []
-    _settle_process(cfg, device)
-    if cfg.auto_micro_batch:
-        return []
-    budget = parse_size(cfg.memory_budget)  # type: ignore[arg-type]
-    try:
-        peak = predict_fixed(cfg, device, parallel.world_size())
-    except ConfigError:
-        raise
-    except ValueError as exc:  # a model family the memory model does not know
-        return [f"--memory-budget {format_bytes(budget)} is not checked for {cfg.model}: {exc}"]
-    rows = f" of --seq-len {cfg.seq_len}" if cfg.is_hf else ""
-    said = (
-        f"--micro-batch-size {cfg.micro_batch_size} is predicted to peak at "
-        f"{format_bytes(peak)} per rank (analytic estimate{rows})"
-    )
-    usable = budget * (1 - MARGIN)
-    if peak <= usable:
-        return [f"{said}, within --memory-budget {format_bytes(budget)}"]
-    return [
-        f"warning: {said}, over --memory-budget {format_bytes(budget)} with its "
-        f"{MARGIN:.0%} margin (a budget of {budget_text(needed_budget(peak, MARGIN))} would "
-        "hold it); the budget is only planned for with --micro-batch-size auto, or use "
-        "--activation-checkpointing / a smaller --micro-batch-size"
-    ]
-
-
-def _probe_model(cfg: TrainConfig, device: torch.device, checkpointing: bool) -> Stepper:
-    """A throwaway copy of the run's model, sharding, optimizer kind and precision."""
-    from gradstep_cli.models.hf import build_model
+def _probe_model(model: ModelSpec, device: torch.device, checkpointing: bool) -> Stepper:
+    """A throwaway instance of the run's model, sharding, optimizer kind and precision."""
     from gradstep_cli.run.components import build_optimizer  # the run's param groups
 
+    cfg = model.cfg
     with quiet():
-        model = build_model(cfg).to(device)
+        module = model.build().to(device)
     if checkpointing:
-        checkpoint_blocks(model)
-    model = prepare(model, cfg)
-    return Stepper(model, build_optimizer(model, cfg), clip=None, precision=cfg.precision)
+        checkpoint_blocks(module)
+    module = prepare(module, cfg)
+    return Stepper(module, build_optimizer(module, cfg), clip=None, precision=cfg.precision)
 
 
 def _every_rank(flag: bool) -> bool:
@@ -209,26 +111,19 @@ def _every_rank(flag: bool) -> bool:
     return not parallel.agree(not flag)
 
 
-def _data(cfg: TrainConfig, source: Any = None) -> _Data:
-    """The rows an HF run will train on (its tokenizer and data, loaded here unless
-    ``source`` is given); the demo GPT plans for rows of ``--seq-len``."""
+def _data(cfg: TrainConfig, source: Any) -> _Data:
+    """The rows the run will train on: an HF run's (``source``: the data stage's); the toy
+    GPT plans for rows of ``--seq-len``."""
     if not cfg.is_hf:
-        return _Data(cfg.seq_len)
-    if source is None:
-        from gradstep_cli.data.sources import load_source
-        from gradstep_cli.models.hf import load_tokenizer
-
-        with quiet():
-            source = load_source(cfg, load_tokenizer(cfg))
+        return _Data(cfg.seq_len, source=source)
     lengths = [int(n) for n in source.lengths(cfg.seq_len, cfg.seed)]
     return _Data(max(lengths, default=cfg.seq_len), lengths, source)
 
 
-def _batch_fn(cfg: TrainConfig, device: torch.device) -> tuple[Callable, Callable, Any]:
+def _batch_fn(cfg: TrainConfig, device: torch.device, vocab: int) -> tuple[Callable, Callable, Any]:
     """(rows, width) -> a micro-batch of random ids; the run's loss and count."""
     from gradstep_cli.run.components import loss_for
 
-    vocab = quiet_hf_config(cfg).vocab_size if cfg.is_hf else GPTConfig.vocab_size
     gen = torch.Generator().manual_seed(0)
 
     def batch(rows: int, width: int) -> dict:
@@ -239,31 +134,46 @@ def _batch_fn(cfg: TrainConfig, device: torch.device) -> tuple[Callable, Callabl
     return batch, loss_fn, count
 
 
-def _probe(
-    cfg: TrainConfig, device: torch.device, budget: int, data: _Data, checkpointing: bool
-) -> tuple[ProbeResult, int]:
+@dataclass(frozen=True)
+class _Inputs:
+    """What one plan is made for, derived once by :func:`plan_for`."""
+
+    cfg: TrainConfig
+    device: torch.device
+    world: int
+    """Launched ranks."""
+    per_rank: int
+    """Sequences of the global batch on each data rank."""
+    budget: int
+    data: _Data
+    shape: Any
+    """The analytic model's shape at the data's longest row."""
+    estimate: dict
+    """The analytic model's other arguments (:func:`estimate_kwargs`)."""
+
+
+def _probe(model: ModelSpec, run: _Inputs, checkpointing: bool) -> tuple[ProbeResult, int]:
     """(the probe, the peak of building its model): steps at ``data.width``, then the
     shape sweep over the data's other lengths."""
+    cfg, device, data = run.cfg, run.device, run.data
     reset_peak(device)
-    held = [_probe_model(cfg, device, checkpointing)]  # dropped before the run's own
+    held = [_probe_model(model, device, checkpointing)]  # dropped before the run's own
     build_peak = peak_bytes(device)
-    batch, loss_fn, count = _batch_fn(cfg, device)
+    batch, loss_fn, count = _batch_fn(cfg, device, model.vocab_size)
 
     def step(rows: int, width: int) -> None:
         held[0].step([batch(rows, width)], loss_fn, count=count)
 
     widths = sweep_widths(cfg.seq_len, SWEEP_SHAPES, data.lengths)
-    world = parallel.world_size()
-    per_rank = math.ceil(cfg.global_batch / (world // cfg.tp))  # type: ignore[operator]
     try:
         result = probe_memory(
             lambda b: step(b, data.width),
-            sorted({s for s in (1, 2, 4) if s <= per_rank}),
+            sorted({s for s in (1, 2, 4) if s <= run.per_rank}),
             device=device,
             # The plan's own bound: a run that plans itself peaks at least where the probe
             # did, and that too must leave the margin free.
-            budget_bytes=int(budget * (1 - MARGIN)),
-            agree=_every_rank if world > 1 else None,
+            budget_bytes=int(run.budget * (1 - MARGIN)),
+            agree=_every_rank if run.world > 1 else None,
             shapes=lambda i: step(1, widths[i % len(widths)]),
             max_shapes=len(widths),
         )
@@ -283,23 +193,22 @@ def _release(stepper: Stepper) -> None:
         strategy.model = None
 
 
-def _probe_checkpointing(cfg: TrainConfig, device: torch.device, budget: int, width: int) -> bool:
+def _probe_checkpointing(run: _Inputs) -> bool:
     """Probe with checkpointing when the analytic model says one item does not fit the
     budget's usable part without it (the probe keeps the plan's bound too). Refuse at once,
     naming the budget needed, when the process alone already exceeds the budget or even
     the smallest plan is estimated above it (the probe itself would break it). Every rank
     decides the same (the worst rank's numbers count): they then probe together."""
-    kwargs = estimate_kwargs(cfg, device, parallel.world_size())
-    shape = shape_of(cfg, width)
+    budget = run.budget
 
     def est(ckpt: bool) -> int:
-        fixed = _fixed_bytes(cfg, device)
+        fixed = analytic_fixed_bytes(run.cfg, run.device)
         one = estimate_step_memory(
-            shape, 1, activation_checkpointing=ckpt, fixed_bytes=fixed, **kwargs
+            run.shape, 1, activation_checkpointing=ckpt, fixed_bytes=fixed, **run.estimate
         )
         return one.total
 
-    in_use, smallest = current_bytes(device), est(True)
+    in_use, smallest = current_bytes(run.device), est(True)
     usable = budget * (1 - MARGIN)  # what the probe may use, as the plan
     if not _every_rank(in_use <= usable and smallest <= budget):
         before = "already exceeded before probing" if in_use > budget else "too small"
@@ -316,25 +225,51 @@ def _probe_checkpointing(cfg: TrainConfig, device: torch.device, budget: int, wi
 def plan_run(
     cfg: TrainConfig, device: torch.device, probe: bool = True, source: Any = None
 ) -> Planned:
-    """Plan ``cfg.global_batch`` for this device (collective under torchrun). An HF run's
-    data (``source``, else loaded here) gives the rows' lengths."""
+    """:func:`plan_for` this process, for a caller outside ``gradstep train`` and ``gradstep
+    plan``: the launch is read from the process group, an hf: model's config and (unless
+    ``source`` is given) its data are loaded here."""
+    env = parallel.DistEnv(parallel.rank(), parallel.world_size(), 0, device, None)
+    hf_config = quiet_hf_config(cfg) if cfg.is_hf else None
+    if cfg.is_hf and source is None:
+        from gradstep_cli.data.sources import load_source
+        from gradstep_cli.models.hf import load_tokenizer
+
+        with quiet():
+            source = load_source(cfg, load_tokenizer(cfg, hf_config))
+    return plan_for(cfg, Launch.of(cfg, env), ModelSpec.of(cfg, hf_config), source, probe)
+
+
+def plan_for(
+    cfg: TrainConfig, launch: Launch, model: ModelSpec, source: Any, probe: bool = True
+) -> Planned:
+    """Plan ``cfg.global_batch`` for this device (collective under torchrun): probe
+    ``model`` (unless not ``probe``) on the rows of ``source`` (the data stage's: an HF
+    run's lengths). The caller settles the process first (:func:`settle_process`)."""
     if cfg.global_batch is None:
         raise ConfigError("planning needs --global-batch: the sequences per optimizer step")
-    world = parallel.world_size()
-    data_ranks = world // cfg.tp  # tensor-parallel peers share their micro-batches
-    _settle_process(cfg, device)  # before the probe: it measures the settled process
+    device, world = launch.device, launch.world_size
     data = _data(cfg, source)  # held until planned: the probe's baseline holds it
     budget = device_budget(cfg, device)
-    per_rank = math.ceil(cfg.global_batch / data_ranks)
     kwargs = estimate_kwargs(cfg, device, world)
+    run = _Inputs(
+        cfg,
+        device,
+        world,
+        per_rank=math.ceil(cfg.global_batch / launch.data_ranks),
+        budget=budget,
+        data=data,
+        shape=model_shape(model, data.width),
+        estimate=kwargs,
+    )
     result, probe_ckpt, build_peak = None, False, 0
     if probe:
-        probe_ckpt = _probe_checkpointing(cfg, device, budget, data.width)
-        result, build_peak = _probe(cfg, device, budget, data, probe_ckpt)
+        probe_ckpt = _probe_checkpointing(run)
+        result, build_peak = _probe(model, run, probe_ckpt)
     else:
-        kwargs["fixed_bytes"] = _fixed_bytes(cfg, device)
+        kwargs = {**kwargs, "fixed_bytes": analytic_fixed_bytes(cfg, device)}
+    per_rank = run.per_rank
     step_peak = step_predictor(
-        shape_of(cfg, data.width),
+        run.shape,
         probe=result,
         probe_checkpointing=probe_ckpt,
         per_rank_batch=per_rank,
@@ -344,24 +279,36 @@ def plan_run(
     def predict(mbs: int, checkpointing: bool) -> int:
         return max(step_peak(mbs, checkpointing), build_peak)
 
+    plan = _choose(run, launch.data_ranks, predict, result, probe_ckpt)
+    return Planned(plan, result, build_peak, data.width)
+
+
+def _choose(
+    run: _Inputs,
+    data_ranks: int,
+    predict: Callable[[int, bool], int],
+    result: ProbeResult | None,
+    probe_ckpt: bool,
+) -> Plan:
+    """The fastest candidate that fits (by the probe's step times when it measured more than
+    one size); one plan, or one refusal, for every rank: rank 0's, from its probe."""
     timed = result is not None and not result.one_size
     timer = probe_step_time(result, probe_checkpointing=probe_ckpt) if timed else None
     plan, error = None, None
     try:
         plan = plan_step(
-            budget,
-            cfg.global_batch,
+            run.budget,
+            run.cfg.global_batch,
             world_size=data_ranks,
             predict=predict,
             step_time=timer,
             margin=MARGIN,
         )
-        plan.timed, plan.tp = timed, cfg.tp
+        plan.timed, plan.tp = timed, run.cfg.tp
         plan.probe_peak_bytes = result.highest_bytes if result is not None else 0
     except BudgetTooSmall as exc:
         error = f"--memory-budget: {exc}"
-    # One plan (or one refusal) for every rank: rank 0's, from its probe.
     plan, error = parallel.broadcast_from_rank0((plan, error))
     if error is not None:
         raise ConfigError(error)
-    return Planned(plan, result, build_peak, data.width)
+    return plan

@@ -1,4 +1,4 @@
-"""Validation loss of the demo: the training loss's definition, over the validation batches.
+"""Validation loss of a run: the training loss's definition, over the validation batches.
 
 A validation batch that runs out of memory is split in halves and run again (on several
 ranks every rank splits together, as the Stepper's windows do): a run whose training
@@ -127,8 +127,9 @@ def _split_sums(
     split_fn: SplitFn,
 ) -> torch.Tensor:
     strategy = parallel.strategy_for(model)
-    agreement = OOMAgreement(strategy.agree_sum, strategy.agree_ranks)
-    modules = strategy.communicating_modules() if strategy.world_size > 1 else []
+    caps = parallel.capabilities(strategy)
+    agreement = OOMAgreement(caps.agree_sum, caps.agree_ranks)
+    modules = caps.communicating_modules() if strategy.world_size > 1 else []
     sums = torch.zeros(2, dtype=torch.float64, device=device)
     state = {"halvings": 0}
     with agreement.before_forwards(modules):

@@ -284,10 +284,15 @@ def _horizon_notes(max_steps: int, horizon: int, min_lr: float) -> list[str]:
 
 
 def resumed_settings(
-    cfg: TrainConfig, info: CheckpointInfo | None, given: frozenset[str], world: int
+    cfg: TrainConfig,
+    info: CheckpointInfo | None,
+    given: frozenset[str],
+    world: int,
+    horizon: int | None = None,
 ) -> tuple[TrainConfig, list[str]]:
     """What a resumed run runs (the checkpoint's settings, plus what may change) on
-    ``world`` data-parallel ranks (the ranks, except under --tp)."""
+    ``world`` data-parallel ranks (the ranks, except under --tp). ``horizon``: the
+    checkpoint's :func:`schedule_horizon` (read here when not given)."""
     if info is None:
         return cfg, []
     saved = saved_settings(info)
@@ -307,4 +312,5 @@ def resumed_settings(
         elastic = cfg.accum_steps if info.accum_steps is None else info.accum_steps_for(world)
     if saved is None:  # an older checkpoint: only the global batch is known
         return dataclasses.replace(cfg, accum_steps=elastic), []
-    return merge_settings(cfg, saved, given, elastic, schedule_horizon(info))
+    horizon = schedule_horizon(info) if horizon is None else horizon
+    return merge_settings(cfg, saved, given, elastic, horizon)

@@ -73,6 +73,18 @@ def ydata(line: Line2D) -> np.ndarray:
     return np.asarray(line.get_ydata(), dtype=float)
 
 
+@st.composite
+def run_logs(draw: st.DrawFn) -> list[dict]:
+    """What a Stepper logs: one record per window, ``step`` = steps taken so far (a
+    skipped window keeps the step before it). At least one step is taken."""
+    skips = draw(st.lists(st.booleans(), min_size=1, max_size=10).filter(lambda s: not all(s)))
+    taken, rows = 0, []
+    for window, skipped in enumerate(skips, start=1):
+        taken += not skipped
+        rows.append({"window": window, "step": taken, "skipped": skipped, "attempt": 1})
+    return rows
+
+
 def test_figures_hold_the_logged_series(tmp_path: Path) -> None:
     rows = synthetic_records()
     run = load_run(write_run(tmp_path / "r1", rows))
@@ -202,18 +214,6 @@ def test_lines_copied_twice_report_each_step_once(tmp_path: Path) -> None:
     cells = re.findall(r"<td>([^<]*)</td>", page)
     assert cells[1:2] == ["4"] and "4 earlier record(s) replaced" in page
     assert cells[4] == str(sum(r["clipped"] for r in rows))
-
-
-@st.composite
-def run_logs(draw: st.DrawFn) -> list[dict]:
-    """What a Stepper logs: one record per window, ``step`` = steps taken so far (a
-    skipped window keeps the step before it). At least one step is taken."""
-    skips = draw(st.lists(st.booleans(), min_size=1, max_size=10).filter(lambda s: not all(s)))
-    taken, rows = 0, []
-    for window, skipped in enumerate(skips, start=1):
-        taken += not skipped
-        rows.append({"window": window, "step": taken, "skipped": skipped, "attempt": 1})
-    return rows
 
 
 @given(log=run_logs())

@@ -53,8 +53,11 @@ from gradstep_cli.data.sources import IGNORE_INDEX, TrainBatches, load_source
 
 # Each example takes milliseconds: more of them than the profile's default.
 EXAMPLES = 4 * int(os.environ.get("GRADSTEP_HYPOTHESIS_EXAMPLES", "12"))
+
 EPOCHS = 2  # complete epochs checked: the second is reached across the epoch boundary
+
 MAX_ROUNDS = 5000
+
 ONE_BYTE_ROWS = {"seq_len": 1, "mbs": 1, "k": 2, "rows": 0, "seed": 0}
 
 
@@ -81,9 +84,13 @@ def _de_bruijn(k: int) -> list[int]:
 # Non-whitespace ASCII without NUL (str.strip() strips 9-13 and 28-32): valid UTF-8 text,
 # and a prompt or completion of it is never blank.
 ALPHABET = [b for b in range(1, 128) if not (9 <= b <= 13 or 28 <= b <= 32)]
+
 TEXT = bytes(ALPHABET[i] for i in _de_bruijn(len(ALPHABET)))
+
 PAIR_AT = {(TEXT[i], TEXT[i + 1]): i for i in range(len(TEXT) - 1)}
+
 assert len(PAIR_AT) == len(TEXT) - 1  # every pair once
+
 VAL_TEXT = b"validation text, never trained on.\n" * 40
 
 
@@ -114,9 +121,6 @@ def _where(pieces: list[Piece], target: int) -> tuple[int, int] | None:
         if piece.start < target < piece.start + piece.n:
             return i, target - piece.start
     return None
-
-
-# ------------------------------------------------------------- the CLI's data path
 
 
 class _Tagged(Iterator[Any]):
@@ -205,9 +209,6 @@ def _runs(indices: list[int]) -> list[list[int]]:
     return runs
 
 
-# ------------------------------------------------------------------- strategies
-
-
 @st.composite
 def batching(draw: st.DrawFn) -> dict[str, Any]:
     """seq_len, rows per micro-batch, and either --accum-steps or --global-batch; the
@@ -227,7 +228,12 @@ def batching(draw: st.DrawFn) -> dict[str, Any]:
     return {"world": world, "batch": batch, "stop": draw(st.integers(0, 5)), "world2": world2}
 
 
-# ------------------------------------------------------------------- text documents
+def _split_by_doc(docs: list[Piece], run: list[int]) -> list[list[int]]:
+    """A run of consecutive TEXT indices split where it changes document."""
+    out: dict[int, list[int]] = {}
+    for t in run:
+        out.setdefault(_where(docs, t)[0], []).append(t)
+    return list(out.values())
 
 
 @settings(max_examples=EXAMPLES)
@@ -278,17 +284,6 @@ def test_every_consecutive_pair_of_a_document_trains_once_per_epoch(
             [(_where(docs, r[0]), len(r)) for r in runs],
         )
         assert len(missing) <= (per_item - 1) * batch["seq_len"], (epoch, len(missing))
-
-
-def _split_by_doc(docs: list[Piece], run: list[int]) -> list[list[int]]:
-    """A run of consecutive TEXT indices split where it changes document."""
-    out: dict[int, list[int]] = {}
-    for t in run:
-        out.setdefault(_where(docs, t)[0], []).append(t)
-    return list(out.values())
-
-
-# ----------------------------------------------------------- prompt/completion records
 
 
 @settings(max_examples=EXAMPLES)

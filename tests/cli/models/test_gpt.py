@@ -1,4 +1,5 @@
-"""The demo model: shapes, causality, rotary embeddings, size and sampling."""
+"""The toy GPT (gradstep_cli.models.gpt): shapes, causality, rotary embeddings, size, sampling,
+and the head-major attention tensor parallel splits."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import torch
 from torch import nn
 
 from gradstep_cli.models.gpt import GPT, GPTConfig, apply_rotary, generate, rotary_tables
+from gradstep_cli.models.parallel_plan import gpt_tp_plan
 
 TINY = GPTConfig(n_layer=2, n_head=2, d_model=32, max_seq_len=64)
 
@@ -91,3 +93,24 @@ def test_generate_is_seeded_and_restores_mode() -> None:
     greedy = generate(model, b"", 5, temperature=0.0)
     assert len(greedy) == 5
     assert generate(model, b"x", 0) == b""
+
+
+def test_the_attention_is_head_major_so_a_row_shard_is_whole_heads() -> None:
+    """The forward of the demo attention on one contiguous half of ``qkv``'s rows (and the
+    matching half of ``proj``'s columns) is that half of the heads: the two halves sum to
+    the whole attention, as a column-wise qkv and row-wise proj compute it."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=16, n_layer=1, n_head=4, d_model=16, max_seq_len=8)
+    attn = GPT(cfg).double().blocks[0].attn
+    x = torch.randn(2, 8, 16, dtype=torch.float64)
+    cos, sin = rotary_tables(8, cfg.head_dim, dtype=torch.float64)
+    whole = attn(x, cos, sin)
+    halves = []
+    for part in range(2):
+        half = type(attn)(cfg).double()
+        rows, cols = slice(24 * part, 24 * (part + 1)), slice(8 * part, 8 * (part + 1))
+        half.qkv.weight = torch.nn.Parameter(attn.qkv.weight[rows].clone())
+        half.proj.weight = torch.nn.Parameter(attn.proj.weight[:, cols].clone())
+        halves.append(half(x, cos, sin))
+    torch.testing.assert_close(halves[0] + halves[1], whole, rtol=1e-12, atol=1e-12)
+    assert set(gpt_tp_plan()) == {"attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"}

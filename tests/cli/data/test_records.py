@@ -1,6 +1,6 @@
-"""JSONL records for --data / --val-data: each bad record named by file and line (or skipped
-and counted), chat-template refusals, the held-out split, cuts and counts, bytes for the
-demo GPT, and what the stream's rows hold for every record (a property test)."""
+"""JSONL records for --data / --val-data (gradstep_cli.data.records): each bad record named by
+file and line (or skipped and counted), chat-template refusals, cuts and counts, bytes for
+the toy GPT."""
 
 from __future__ import annotations
 
@@ -8,15 +8,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from gradstep_cli.config.settings import TrainConfig
-from gradstep_cli.data.records import Encoder
-from gradstep_cli.data.sources import IGNORE_INDEX, DataError, _path_hash, _unit, load_source
-from gradstep_cli.data.tokenized import Sequences
+from gradstep_cli.data.records import DataError, TemplateError
+from gradstep_cli.data.sources import IGNORE_INDEX, load_source
 
 GOOD = [{"prompt": f"q{i}: ", "completion": f"answer {i}"} for i in range(6)]
 
@@ -65,6 +61,22 @@ BAD = [
     ({"messages": ["hi"]}, "message 1 must be an object with 'role' and 'content', got str"),
     (b'{"text": "caf\xe9"}', "not UTF-8 text (byte 14)"),
 ]
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+
+
+def chats(n: int) -> list[dict[str, Any]]:
+    return [
+        {"messages": [{"role": "user", "content": f"{i}"}, CHAT["messages"][1]]} for i in range(n)
+    ]
+
+
+def _tokenizer(prefix: str) -> Any:
+    from tests.support import hf_assets
+
+    tokenizer = hf_assets.load_tokenizer()
+    tokenizer.chat_template = prefix + hf_assets.CHAT_TEMPLATE
+    return tokenizer
 
 
 @pytest.mark.parametrize(("line", "reason"), BAD, ids=[r[:30] for _, r in BAD])
@@ -172,41 +184,6 @@ def test_formats_mix_in_one_file_and_are_counted(tmp_path: Path, tok: Any) -> No
     assert n["train_records"] == {"text": 1, "prompt/completion": 6, "messages": 2}
 
 
-def test_held_out_records_are_a_stable_fraction(tmp_path: Path) -> None:
-    records = [{"prompt": f"p{i}", "completion": f"c{i % 50}"} for i in range(400)]
-    data = jsonl(tmp_path / "d.jsonl", records)
-    for fraction in (0.1, 0.25, 0.5):
-        a, b = source(data, val_fraction=fraction), source(data, val_fraction=fraction)
-        assert a.describe() == b.describe()
-        n = a.counts()
-        val, train = n["val_records"]["prompt/completion"], n["train_records"]["prompt/completion"]
-        assert train + val == 400 and abs(val / 400 - fraction) < 0.06
-
-
-def test_duplicate_records_land_on_one_side(tmp_path: Path) -> None:
-    """The record is the split's key, not its line: no copy of a validation record trains."""
-    records = [{"prompt": f"p{i}", "completion": f"c{i}"} for i in range(60)]
-    data = jsonl(tmp_path / "d.jsonl", [r for r in records for _ in range(3)])
-    n = source(data, val_fraction=0.3).counts()
-    val, train = n["val_records"]["prompt/completion"], n["train_records"]["prompt/completion"]
-    assert val % 3 == 0 and train % 3 == 0 and val and train
-
-
-def test_val_data_holds_nothing_out(tmp_path: Path) -> None:
-    data = jsonl(tmp_path / "d.jsonl", GOOD)
-    n = source(data, val_data=str(jsonl(tmp_path / "v.jsonl", GOOD[:2]))).counts()
-    assert n["train_records"] == {"prompt/completion": 6}
-    assert n["val_records"] == {"prompt/completion": 2}
-
-
-@given(st.text(min_size=1, max_size=40))
-def test_a_tenth_held_out_is_the_files_it_always_was(name: str) -> None:
-    """--val-fraction 0.1 keeps the old rule (path hash mod 10 == 0): the default corpus's
-    split, and so every earlier run's data, is unchanged."""
-    assert (_unit(name) < 0.1) == (_path_hash(name) % 10 == 0)
-    assert 0.0 <= _unit(name) < 1.0
-
-
 def test_bytes_records_for_the_demo_gpt(tmp_path: Path) -> None:
     """Without a tokenizer: UTF-8 bytes, no EOS (a byte vocabulary has none), the
     completion's bytes are the only targets."""
@@ -219,55 +196,52 @@ def test_bytes_records_for_the_demo_gpt(tmp_path: Path) -> None:
     assert sorted(rows) == sorted([(b"abc", [None, "c", "d"]), (b"xy", ["y", "z"])])
 
 
-@settings(max_examples=60, deadline=None)
-@given(
-    st.lists(
-        st.tuples(st.binary(min_size=1, max_size=12), st.binary(min_size=1, max_size=12)),
-        min_size=1,
-        max_size=8,
-    ),
-    st.integers(2, 20),
+@pytest.mark.parametrize(
+    ("prefix", "raised"),
+    [
+        ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "SecurityError"),  # S7
+        ("{{ cycler.__init__.__globals__.os.system('true') }}", "SecurityError"),  # S10
+        ("{% if %}", "TemplateSyntaxError"),
+    ],
 )
-def test_each_row_is_its_records_tail_and_trains_on_its_completion(
-    pairs: list[tuple[bytes, bytes]], seq_len: int
-) -> None:
-    """For every record and --seq-len: a record is kept iff its completion fits (at least
-    one prompt token stays before it); its row holds its last seq_len + 1 tokens and its
-    labels are exactly the completion; the counts say how many were cut and left out."""
-    records = Encoder(None).prompt_completions(
-        [(p.decode("latin-1"), c.decode("latin-1")) for p, c in pairs]
-    )
-    data = Sequences([], records, dtype=np.uint8)
-    kept = [(p.decode("latin-1").encode(), c.decode("latin-1").encode()) for p, c in pairs]
-    kept = [(p, c) for p, c in kept if len(c) <= seq_len]
-    spans = data.record_spans(seq_len)
-    assert len(spans) == len(kept)
-    cut = sum(len(p) + len(c) > seq_len + 1 for p, c in kept)
-    assert data.fit(seq_len) == (cut, len(pairs) - len(kept))
-    if not kept:
-        return
-    batch = data.batch(spans)
-    for row, (p, c) in enumerate(kept):
-        whole = (p + c)[-(seq_len + 1) :]
-        n = len(whole) - 1
-        assert batch["input_ids"][row, :n].tolist() == list(whole[:-1])
-        labels = batch["labels"][row].tolist()
-        assert labels[n - len(c) : n] == list(c)
-        assert all(x == IGNORE_INDEX for x in labels[: n - len(c)] + labels[n:])
+def test_a_template_at_fault_is_named_not_the_record(tmp_path: Path, prefix, raised) -> None:
+    """S7: a template the sandbox stops was reported as 'fix the record' (and, with
+    --skip-bad-records, skipped every record)."""
+    pytest.importorskip("transformers")
+    data = jsonl(tmp_path / "chat.jsonl", chats(4))
+    for skip in (False, True):
+        cfg = TrainConfig(data=str(data), seq_len=32, skip_bad_records=skip)
+        with pytest.raises(TemplateError) as exc:
+            load_source(cfg, _tokenizer(prefix))
+        message = str(exc.value)
+        assert "line 1: the chat template of the tokenizer in" in message, message
+        assert f"is at fault, not the record: rendering raised {raised}" in message
+        assert "--tokenizer PATH" in message and "fix the record" not in message
 
 
-def test_eos_is_a_target_even_when_it_is_the_pad_token(tmp_path: Path, tok: Any) -> None:
-    """Padding is masked by the labels, never by the pad id: with pad == EOS every
-    completion's EOS still trains (the model learns to stop)."""
-    from tests.support import hf_assets
-
-    padded = hf_assets.load_tokenizer()
-    padded.pad_token = padded.eos_token
-    assert padded.pad_token_id == padded.eos_token_id
-    data = jsonl(tmp_path / "d.jsonl", GOOD)
-    src = source(data, padded, val_data=str(data))
-    batch = src.validation_batches(32, len(GOOD), 1, 0, 1)[0]
-    for labels in batch["labels"]:
-        real = labels[labels != IGNORE_INDEX]
-        assert int(real[-1]) == padded.eos_token_id
-        assert int((labels == IGNORE_INDEX).sum()) > 0  # prompt and padding masked
+def test_a_record_the_template_refuses_names_the_record(tmp_path: Path) -> None:
+    """S8 and S9 are kept: the template's own raise_exception on record 4 names line 4 (and
+    --skip-bad-records skips it). A record the template fails on otherwise (here an
+    UndefinedError) names the line and the tokenizer: either may be at fault."""
+    pytest.importorskip("transformers")
+    bad = {"messages": [{"role": "user", "content": "bad content"}, CHAT["messages"][1]]}
+    data = jsonl(tmp_path / "chat.jsonl", [*chats(3), bad])
+    test = "{% for m in messages %}{% if m['content'] == 'bad content' %}"
+    checks = {
+        "TemplateError": test + "{{ raise_exception('bad content') }}{% endif %}{% endfor %}",
+        "UndefinedError": test + "{{ m.nothing.deeper }}{% endif %}{% endfor %}",
+    }
+    for raised, check in checks.items():
+        cfg = TrainConfig(data=str(data), val_data=str(data), seq_len=32)
+        tokenizer = _tokenizer(check)
+        with pytest.raises(DataError) as exc:
+            load_source(cfg, tokenizer)
+        message = str(exc.value)
+        assert "line 4: " in message and f"({raised}: " in message, message
+        assert "fix the record, or pass --skip-bad-records" in message
+        if raised == "TemplateError":
+            assert "line 4: the chat template refused it (TemplateError: bad content)" in message
+        else:
+            assert f"the tokenizer in {tokenizer.name_or_path!r} failed on it" in message
+        skipped = TrainConfig(data=str(data), val_data=str(data), seq_len=32, skip_bad_records=True)
+        assert load_source(skipped, _tokenizer(check)).counts()["bad_skipped"] == 2

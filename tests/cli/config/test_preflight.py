@@ -4,12 +4,17 @@
 
 from __future__ import annotations
 
+import random
+import re
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from gradstep.parallel import DistEnv
+from gradstep_cli.cli import main
 from gradstep_cli.config.preflight import check_global_batch, check_run
 from gradstep_cli.config.settings import ConfigError, TrainConfig
 from gradstep_cli.data.batching import layout_for
@@ -19,6 +24,34 @@ CPU = torch.device("cpu")
 
 def env(world: int = 1, backend: str | None = None) -> DistEnv:
     return DistEnv(rank=0, world_size=world, local_rank=0, device=CPU, backend=backend)
+
+
+SMALL = [
+    "--n-layer", "1", "--n-head", "2", "--d-model", "16", "--seq-len", "16",
+    "--micro-batch-size", "2", "--accum-steps", "2", "--eval-batches", "1",
+    "--sample-tokens", "0", "--warmup", "1", "--eval-every", "0", "--max-steps", "2",
+]  # fmt: skip
+
+
+@pytest.fixture
+def small_corpus(tmp_path: Path) -> Path:
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    gen = random.Random(0)
+    for i in range(4):
+        (folder / f"f{i}.py").write_text(" ".join(gen.choices(["def", "x", "(y)"], k=400)))
+    return folder
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    code = main(list(argv))
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return code, err
+
+
+def mesh_env(world: int) -> DistEnv:
+    return DistEnv(rank=0, world_size=world, local_rank=0, device=CPU, backend="gloo")
 
 
 @given(global_batch=st.integers(1, 300), world=st.integers(1, 16))
@@ -108,3 +141,48 @@ def test_planning_needs_the_batch_it_splits_and_takes_hf_models(tmp_path) -> Non
     for cfg in (TrainConfig(), TrainConfig(model=f"hf:{tmp_path}")):
         with pytest.raises(ConfigError, match="gradstep plan needs --global-batch"):
             check_run(cfg, env(), planning=True)
+
+
+def test_strategy_without_torchrun_fails_clearly(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["train", "--strategy", "ddp", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "strategy" in err and "torchrun" in err
+
+
+def test_mps_absent_is_a_clear_error(small_corpus, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("torch.backends.mps.is_available", lambda: False)
+    code, err = run(capsys, "train", *SMALL, "--data", str(small_corpus),
+                    "--out", str(tmp_path / "r"), "--device", "mps")  # fmt: skip
+    assert code == 2 and "MPS is not available" in err  # row 23
+
+
+def test_eval_batches_below_the_world_size_is_an_error():
+    """Row 126: with --eval-batches 1 on 2 ranks every validation loss was NaN."""
+    import torch
+
+    from gradstep.parallel import DistEnv
+    from gradstep_cli.config.preflight import check_run
+    from gradstep_cli.config.settings import ConfigError, TrainConfig
+
+    env = DistEnv(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    with pytest.raises(ConfigError, match=r"--eval-batches must be >= the number of ranks \(2\)"):
+        check_run(TrainConfig(strategy="ddp", eval_batches=1), env)
+    check_run(TrainConfig(strategy="ddp", eval_batches=2), env)
+
+
+def test_the_launch_must_hold_the_mesh() -> None:
+    """--tp / --hsdp divide the ranks; --eval-batches and --global-batch count the ranks
+    that read different data: the data-parallel ones under --tp, every rank under --hsdp."""
+    with pytest.raises(ConfigError, match=re.escape("--tp 4 must divide the number of ranks (6)")):
+        check_run(TrainConfig(strategy="fsdp", tp=4, eval_batches=8), mesh_env(6))
+    with pytest.raises(
+        ConfigError, match=re.escape("--hsdp 4 must divide the number of ranks (6)")
+    ):
+        check_run(TrainConfig(strategy="fsdp", hsdp=4, eval_batches=8), mesh_env(6))
+    check_run(TrainConfig(strategy="fsdp", tp=2, eval_batches=2, global_batch=6), mesh_env(4))
+    with pytest.raises(ConfigError, match="--eval-batches must be >= the number of ranks"):
+        check_run(TrainConfig(strategy="fsdp", hsdp=2, eval_batches=2), mesh_env(4))
+    with pytest.raises(ConfigError, match=re.escape("number of data-parallel ranks (2)")):
+        check_run(TrainConfig(strategy="fsdp", tp=2, global_batch=5), mesh_env(4))
