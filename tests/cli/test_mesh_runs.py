@@ -115,3 +115,30 @@ def _check_plans(tp_json: str, hsdp_json: str) -> None:
     tp, hsdp = json.loads(tp_json), json.loads(hsdp_json)
     assert (tp["world_size"], tp["per_rank_batch"], tp["tp"]) == (2, 2, 2), tp
     assert (hsdp["world_size"], hsdp["per_rank_batch"], hsdp["tp"]) == (4, 1, 1), hsdp
+
+
+@pytest.mark.timeout(420)
+def test_hsdp_and_tp_on_8_ranks_train_as_one_process_does(tmp_path: Path) -> None:
+    """``--hsdp 2 --tp 2`` on 8 ranks (replicate x shard x tp = 2 x 2 x 2: 4 data ranks of
+    one row each) takes the steps one process takes on the same 4-row micro-batches, to
+    float32 rounding; the checkpoint and summary count 4 data-parallel ranks."""
+    from gradstep_cli.cli import main
+
+    data = ["--data", str(text_corpus(tmp_path / "data"))]
+    flags = [*FLAGS, *data, "--accum-steps", "2", "--max-steps", "2", "--save-every", "2"]
+    mesh, one = tmp_path / "mesh", tmp_path / "one"
+    argv = ["train", *flags, "--micro-batch-size", "1", "--strategy", "fsdp"]
+    ranks = run_ranks(cli_runs, 8, [[*argv, "--hsdp", "2", "--tp", "2", "--out", str(mesh)]],
+                      timeout=400)  # fmt: skip
+    assert all(res[0][0] == 0 for res in ranks), ranks[0][0][2]
+    assert main(["train", *flags, "--micro-batch-size", "4", "--out", str(one)]) == 0
+    manifest = _json(mesh / "checkpoints" / "step-000002" / MANIFEST)
+    assert (manifest["world_size"], manifest["dp_size"]) == (8, 4)
+    summary = _json(mesh / "summary.json")
+    assert (summary["data_parallel_size"], summary["tp"], summary["hsdp"]) == (4, 2, 2)
+    got, want = _metrics(mesh), _metrics(one)
+    assert [m["step"] for m in got] == [m["step"] for m in want] == [1, 2]
+    for g, w in zip(got, want, strict=True):
+        assert g["items"] == w["items"] > 0
+        assert math.isclose(g["loss"], w["loss"], rel_tol=1e-6), (g, w)
+        assert math.isclose(g["grad_norm"], w["grad_norm"], rel_tol=1e-5), (g, w)

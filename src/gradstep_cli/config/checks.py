@@ -224,8 +224,9 @@ def _model(cfg: TrainConfig) -> None:
 
 
 def _mesh(cfg: TrainConfig) -> None:
-    """--tp and --hsdp: FSDP2 on a 2-D mesh, one of the two; tensor parallel splits the demo
-    GPT's heads. The number of ranks they must divide is checked at launch (preflight)."""
+    """--tp and --hsdp: FSDP2 on a 2-D mesh, or both on a 3-D one (replicate x shard x tp);
+    tensor parallel splits the default GPT's heads. The number of ranks they must divide is
+    checked at launch (preflight)."""
     for name in ("tp", "hsdp"):
         value = getattr(cfg, name)
         if value > 1 and cfg.strategy != "fsdp":
@@ -233,16 +234,11 @@ def _mesh(cfg: TrainConfig) -> None:
                 f"{flag(name)} {value} needs --strategy fsdp (FSDP2 on a 2-D mesh), got "
                 f"--strategy {cfg.strategy}"
             )
-    if cfg.tp > 1 and cfg.hsdp > 1:
-        raise ConfigError(
-            f"--tp {cfg.tp} and --hsdp {cfg.hsdp} do not combine (HSDP with tensor parallel "
-            "is not supported): pass one of them"
-        )
     if cfg.tp == 1:
         return
     if cfg.is_hf:
         raise ConfigError(
-            f"--tp {cfg.tp} needs --model gpt: the demo has a tensor-parallel plan for its own "
+            f"--tp {cfg.tp} needs --model gpt: the CLI has a tensor-parallel plan for its own "
             f"GPT only, not for --model {cfg.model}; use --hsdp or plain --strategy fsdp"
         )
     if cfg.n_head % cfg.tp:

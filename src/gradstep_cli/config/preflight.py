@@ -62,7 +62,8 @@ def _ranks(cfg: TrainConfig) -> str:
 
 
 def _check_mesh(cfg: TrainConfig, world: int) -> None:
-    """--tp and --hsdp divide the launched ranks (a 2-D mesh of them)."""
+    """--tp and --hsdp divide the launched ranks (a 2-D mesh of them), and so does their
+    product when both are given (a 3-D mesh: replicate x shard x tp)."""
     for name, value in (("tp", cfg.tp), ("hsdp", cfg.hsdp)):
         if world % value:
             fits = [n for n in range(1, world + 1) if world % n == 0]
@@ -70,6 +71,11 @@ def _check_mesh(cfg: TrainConfig, world: int) -> None:
                 f"--{name} {value} must divide the number of ranks ({world}): use --{name} "
                 f"{' or '.join(map(str, fits))}, or launch a multiple of {value} processes"
             )
+    if world % (cfg.tp * cfg.hsdp):
+        raise ConfigError(
+            f"--hsdp {cfg.hsdp} x --tp {cfg.tp} = {cfg.hsdp * cfg.tp} must divide the number "
+            f"of ranks ({world}): launch a multiple of {cfg.hsdp * cfg.tp} processes"
+        )
 
 
 def _check_launch(cfg: TrainConfig, env: Launch) -> None:

@@ -139,7 +139,6 @@ def test_dropout_is_refused_with_an_hf_model(tmp_path, capsys) -> None:
         ({"tp": 2, "strategy": "ddp"}, "--tp 2 needs --strategy fsdp (FSDP2 on a 2-D mesh), "
          "got --strategy ddp"),
         ({"hsdp": 2}, "--hsdp 2 needs --strategy fsdp (FSDP2 on a 2-D mesh), got --strategy none"),
-        ({"tp": 2, "hsdp": 2, "strategy": "fsdp"}, "--tp 2 and --hsdp 2 do not combine"),
         ({"tp": 0}, "--tp must be >= 1, got 0"),
         ({"hsdp": -1}, "--hsdp must be >= 1, got -1"),
         ({"tp": 3, "strategy": "fsdp"}, "--tp 3 must divide --n-head (4): each tensor-parallel "
@@ -152,6 +151,23 @@ def test_dropout_is_refused_with_an_hf_model(tmp_path, capsys) -> None:
 def test_mesh_flags_are_refused_naming_the_flag(settings: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
         TrainConfig(**settings)
+
+
+def test_tp_and_hsdp_together_are_the_3d_mesh_and_its_ranks_are_checked() -> None:
+    """--hsdp R --tp N: replicate x shard x tp (issue 29); the product must divide the
+    launched ranks, said before anything is built."""
+    from gradstep.parallel import Layout
+    from gradstep_cli.config.preflight import _check_mesh
+    from gradstep_cli.models.parallel_plan import layout_of
+
+    cfg = TrainConfig(tp=2, hsdp=2, strategy="fsdp")
+    assert layout_of(cfg) == Layout(dp_replicate=2, tp=2)
+    assert layout_of(cfg).resolve(8) == Layout(dp_replicate=2, dp_shard=2, tp=2)
+    _check_mesh(cfg, 8)
+    wide = TrainConfig(tp=4, hsdp=2, strategy="fsdp")
+    with pytest.raises(ConfigError, match=re.escape("--hsdp 2 x --tp 4 = 8 must divide the "
+                                                    "number of ranks (4)")):  # fmt: skip
+        _check_mesh(wide, 4)
 
 
 @pytest.mark.parametrize("command", ["train", "plan"])
