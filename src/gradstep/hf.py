@@ -26,7 +26,7 @@ from torch import nn
 from ._validate import check_number
 from .errors import GradstepError
 from .parallel import unwrap
-from .step.loss import LossSum, token_loss
+from .step.loss import LossSum, chunked_token_loss, token_loss
 
 __all__ = [
     "FORWARDED_KEYS",
@@ -34,6 +34,7 @@ __all__ = [
     "BatchError",
     "causal_lm_loss",
     "causal_lm_targets",
+    "chunkable",
     "count_tokens",
 ]
 
@@ -223,12 +224,61 @@ def _forward(model: nn.Module, batch: Mapping[str, Any], router: bool) -> Any:
         raise error from exc
 
 
+def _hf_model(model: nn.Module) -> nn.Module:
+    """The ``PreTrainedModel`` inside DDP, ``torch.compile`` and PEFT wrappers."""
+    inner = unwrap(model)
+    get = getattr(inner, "get_base_model", None)
+    return get() if callable(get) else inner
+
+
+def chunkable(model: nn.Module) -> str | None:
+    """Why ``causal_lm_loss(..., chunk_tokens=N)`` cannot leave out the whole logits of
+    ``model``, or None when it can: its output projection must be a plain ``nn.Linear``
+    (not a LoRA-adapted one) and nothing may follow it (a logit softcap or scale)."""
+    hf = _hf_model(model)
+    get = getattr(hf, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if type(head) is not nn.Linear:
+        kind = "none" if head is None else type(head).__name__
+        return f"its output projection is a {kind}, not a plain nn.Linear (e.g. LoRA-adapted)"
+    config = getattr(hf, "config", None)
+    if getattr(config, "final_logit_softcapping", None) is not None:
+        return "its logits are soft-capped after the projection (final_logit_softcapping)"
+    if getattr(hf, "logit_scale", None) is not None:
+        return "its logits are scaled after the projection (logit_scale)"
+    return None
+
+
+class _Hidden(nn.Module):
+    """Stands in for the output projection during one forward: its "logits" are the hidden
+    states the projection would have read."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden
+
+
+def _forward_hidden(model: nn.Module, batch: Mapping[str, Any], router: bool) -> tuple:
+    """(output, hidden states, the output projection): the forward with the projection
+    left out. The projection module is swapped out only for the call: its parameters stay
+    where the wrappers manage them (FSDP2 gathers them into the module it holds, which is
+    the one returned here)."""
+    hf = _hf_model(model)
+    head = hf.get_output_embeddings()
+    hf.set_output_embeddings(_Hidden())
+    try:
+        out = _forward(model, batch, router)
+    finally:
+        hf.set_output_embeddings(head)
+    return out, out.logits, head
+
+
 def causal_lm_loss(
     model: nn.Module,
     batch: Mapping[str, Any],
     *,
     aux_coef: float | None = None,
     shifted: bool = False,
+    chunk_tokens: int | None = None,
 ) -> LossSum:
     """Summed next-token cross-entropy of an HF causal LM, as a :class:`~gradstep.LossSum`.
 
@@ -250,6 +300,11 @@ def causal_lm_loss(
 
     A token or label id outside the vocabulary is a :class:`BatchError` naming the key
     (diagnosed after torch refuses the index, so the fast path reads nothing back).
+
+    ``chunk_tokens=N``: the whole logits are never held: the forward stops before the output
+    projection, which :func:`gradstep.step.loss.chunked_token_loss` applies N positions at
+    a time (again in backward); the same sum, count and gradients to rounding. A model
+    :func:`chunkable` refuses raises ``ValueError`` saying why.
     """
     check_number("aux_coef", aux_coef, "causal_lm_loss", optional=True, error=ValueError)
     router = _wants_router(model, aux_coef)
@@ -261,16 +316,29 @@ def causal_lm_loss(
             f"gradstep.hf: input_ids shape {tuple(input_ids.shape)} differs from {key} shape "
             f"{tuple(labels.shape)}"
         )
-    out = _forward(model, batch, router)
-    logits = out.logits if aligned else out.logits[:, :-1]
-    targets = targets.to(device=logits.device, dtype=torch.long)
-    try:
-        loss = token_loss(logits, targets)
-    except IndexError as exc:
-        error = _out_of_range(key, targets, logits.size(-1))
-        if error is None:
-            raise
-        raise error from exc
+    if chunk_tokens is None:
+        out = _forward(model, batch, router)
+        logits = out.logits if aligned else out.logits[:, :-1]
+        loss = _checked(lambda t: token_loss(logits, t), key, targets, logits)
+    else:
+        why = chunkable(model)
+        if why is not None:
+            raise ValueError(f"causal_lm_loss: chunk_tokens= cannot be used here: {why}")
+        out, hidden, head = _forward_hidden(model, batch, router)
+        hidden = hidden if aligned else hidden[:, :-1]
+
+        def loss_of(t: torch.Tensor) -> LossSum:
+            return chunked_token_loss(hidden, head.weight, t, head.bias, chunk_tokens=chunk_tokens)
+
+        loss = _checked(loss_of, key, targets, head.weight)
+    return _with_router_loss(loss, out, model, router, aux_coef)
+
+
+def _with_router_loss(
+    loss: LossSum, out: Any, model: nn.Module, router: bool, aux_coef: float | None
+) -> LossSum:
+    """``loss`` with the MoE router's load-balancing loss as ``aux["router"]`` (see
+    :func:`causal_lm_loss`), when the forward returned one and its coefficient is not 0."""
     aux = getattr(out, "aux_loss", None)
     if router and aux is None:
         raise ValueError(
@@ -283,3 +351,17 @@ def causal_lm_loss(
     if coef == 0:
         return loss
     return LossSum(loss.total, loss.count, aux={AUX_NAME: coef * aux.reshape(())})
+
+
+def _checked(loss_of: Any, key: str, targets: torch.Tensor, logits: torch.Tensor) -> LossSum:
+    """``loss_of(targets)``, a target outside the vocabulary (``logits``' first dim of a
+    projection weight, or last of logits) named as a :class:`BatchError`."""
+    targets = targets.to(device=logits.device, dtype=torch.long)
+    vocab = logits.size(-1) if logits.dim() == 3 else logits.size(0)
+    try:
+        return loss_of(targets)
+    except IndexError as exc:
+        error = _out_of_range(key, targets, vocab)
+        if error is None:
+            raise
+        raise error from exc
