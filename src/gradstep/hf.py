@@ -50,6 +50,15 @@ class BatchError(GradstepError, ValueError):
     what it must hold."""
 
 
+def _mask(batch: Mapping[str, Any]) -> tuple[torch.Tensor | None, bool]:
+    """(attention_mask, packed): a 4-D mask is a packed batch's (:mod:`gradstep.packing`),
+    whose padding and sequence ends its aligned labels already mark."""
+    mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+    if isinstance(mask, torch.Tensor) and mask.dim() == 4:
+        return mask, True
+    return _tensor(batch, "attention_mask", required=False), False
+
+
 def _tensor(batch: Mapping[str, Any], key: str, required: bool = True) -> torch.Tensor | None:
     if not isinstance(batch, Mapping):
         raise TypeError(
@@ -103,7 +112,15 @@ def causal_lm_targets(batch: Mapping[str, Any], *, shifted: bool = False) -> tor
     token is not in the batch, so only its own mask counts there.
     """
     key, labels, aligned = _labels(batch, shifted)
-    mask = _tensor(batch, "attention_mask", required=False)
+    mask, packed = _mask(batch)
+    if packed:
+        if not aligned:
+            raise BatchError(
+                "gradstep.hf: a packed batch (a 4-D attention_mask) needs labels aligned with "
+                "its inputs (shift_labels, as gradstep.packing.pack makes them): unshifted "
+                "labels would make a sequence's last token predict the next sequence's first"
+            )
+        return labels
     if mask is not None and mask.shape != labels.shape:
         raise BatchError(
             f"gradstep.hf: attention_mask shape {tuple(mask.shape)} differs from {key} shape "
@@ -203,11 +220,13 @@ def _forward(model: nn.Module, batch: Mapping[str, Any], router: bool) -> Any:
     """The model's forward on the keys in :data:`FORWARDED_KEYS`, without labels (HF would
     compute a second, unused loss) and without a KV cache."""
     input_ids = _integer("input_ids", _tensor(batch, "input_ids"))
-    mask = _tensor(batch, "attention_mask", required=False)
+    mask, packed = _mask(batch)
     kwargs: dict[str, Any] = {"input_ids": input_ids, "use_cache": False}
     if mask is not None:
         kwargs["attention_mask"] = mask
     positions = batch.get("position_ids")
+    if positions is None and packed:
+        raise BatchError("gradstep.hf: a packed batch needs position_ids (restarting per sequence)")
     positions = _position_ids(mask) if positions is None else positions
     if positions is not None:
         kwargs["position_ids"] = positions

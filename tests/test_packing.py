@@ -1,0 +1,200 @@
+"""Padding-free packing (gradstep.packing): rows, masks, and exactness on every tiny family.
+
+- plan_rows: every sequence in exactly one row, no row over capacity, stream order kept;
+- pack: the rows give back each sequence, its aligned labels and positions from 0;
+- block_causal_mask: position i may attend to j iff j <= i in the same sequence;
+- for each tiny HF family under ``sdpa`` (boolean mask) and ``eager`` (additive mask): a
+  packed micro-batch's loss sum, item count and gradient equal each sequence run alone
+  (float64, ≤ 1e-12 relative), and one accumulated packed step equals the unpacked step;
+- ``max_leak`` finds the leak of ``position_ids`` without the mask (the pitfall), and an
+  implementation without a 4-D mask is refused by name.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gradstep.packing import block_causal_mask, max_leak, pack, plan_rows
+
+EXACT = 1e-12
+
+
+@given(
+    lengths=st.lists(st.integers(1, 16), min_size=1, max_size=20),
+    extra=st.integers(0, 8),
+    order=st.sampled_from(["stream", "bfd"]),
+)
+def test_every_sequence_lands_in_exactly_one_row_that_holds_it(lengths, extra, order):
+    cap = max(lengths) + extra
+    rows = plan_rows(lengths, cap, order)
+    flat = [i for row in rows for i in row]
+    assert sorted(flat) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in row) <= cap for row in rows)
+    if order == "stream":
+        assert flat == list(range(len(lengths)))  # the data order is kept
+        # greedy: a row is closed only when the next sequence did not fit in it
+        for row, nxt in zip(rows, rows[1:], strict=False):
+            assert sum(lengths[i] for i in row) + lengths[nxt[0]] > cap
+
+
+@given(lengths=st.lists(st.integers(1, 12), min_size=1, max_size=8), seed=st.integers(0, 99))
+def test_pack_gives_back_each_sequence_its_labels_and_positions(lengths, seed):
+    gen = torch.Generator().manual_seed(seed)
+    seqs = [
+        (torch.randint(1, 100, (n,), generator=gen), torch.randint(-1, 100, (n,), generator=gen))
+        for n in lengths
+    ]
+    rows = plan_rows(lengths, max(lengths) + 3)
+    batch = pack(seqs, rows)
+    for r, row in enumerate(rows):
+        at = 0
+        for k, i in enumerate(row):
+            n = lengths[i]
+            assert torch.equal(batch["input_ids"][r, at : at + n], seqs[i][0])
+            assert torch.equal(batch["shift_labels"][r, at : at + n], seqs[i][1])
+            assert torch.equal(batch["position_ids"][r, at : at + n], torch.arange(n))
+            assert bool((batch["seq_ids"][r, at : at + n] == k).all())
+            at += n
+        assert bool((batch["shift_labels"][r, at:] == -100).all())  # padding trains nothing
+    mask = block_causal_mask(batch["seq_ids"])
+    ids = batch["seq_ids"]
+    t = ids.shape[1]
+    for r in range(len(rows)):
+        for i in range(t):
+            for j in range(t):
+                assert bool(mask[r, 0, i, j]) == (j <= i and bool(ids[r, i] == ids[r, j]))
+    additive = block_causal_mask(ids, torch.float64)
+    assert torch.equal(additive == 0, mask) and bool((additive[~mask] == float("-inf")).all())
+
+
+def test_bad_arguments_are_named() -> None:
+    with pytest.raises(ValueError, match="sequence 1 has 9 tokens, outside 1..row_tokens"):
+        plan_rows([3, 9], 8)
+    with pytest.raises(ValueError, match="order must be 'stream' or 'bfd'"):
+        plan_rows([3], 8, order="first")
+
+
+# --------------------------------------------------------------- Hugging Face models
+
+pytest.importorskip("transformers")
+
+from gradstep.hf import causal_lm_loss  # noqa: E402
+from gradstep.packing import mask_for  # noqa: E402
+from tests.support import hf_assets  # noqa: E402
+
+LENGTHS = (7, 3, 11, 1, 5, 9)
+
+
+def _model(family: str, impl: str) -> torch.nn.Module:
+    model = hf_assets.build_model(
+        family, seed=1, attn_implementation=impl, _experts_implementation="eager"
+    )
+    return model.double().eval()  # eval: OPT's config has dropout
+
+
+def _sequences(seed: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for n in LENGTHS:
+        ids = torch.randint(0, hf_assets.VOCAB, (n + 1,), generator=gen)
+        out.append((ids[:-1], ids[1:]))  # aligned labels: the next token of the sequence
+    return out
+
+
+def _alone(model, seqs):
+    """Loss sum, count and gradient of each sequence run alone, summed."""
+    model.zero_grad(set_to_none=True)
+    total, count = torch.zeros((), dtype=torch.float64), 0
+    for ids, labels in seqs:
+        loss = causal_lm_loss(model, {"input_ids": ids[None], "shift_labels": labels[None]})
+        total, count = total + loss.total, count + int(loss.count)
+    total.backward()
+    return float(total), count, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _packed(model, seqs, row_tokens):
+    model.zero_grad(set_to_none=True)
+    batch = pack(seqs, plan_rows([len(s) for s, _ in seqs], row_tokens), row_tokens)
+    loss = causal_lm_loss(model, mask_for(model, batch, torch.float64))
+    loss.total.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return float(loss.total), int(loss.count), grads, batch
+
+
+def _close(got: dict, want: dict) -> None:
+    whole = sum(float(w.square().sum()) for w in want.values()) ** 0.5
+    for name, w in want.items():
+        assert float((got[name] - w).norm()) <= EXACT * whole, name
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("family", hf_assets.FAMILIES)
+def test_a_packed_micro_batch_equals_each_sequence_alone(family: str, impl: str) -> None:
+    model = _model(family, impl)
+    seqs = _sequences()
+    want_total, want_count, want_grads = _alone(model, seqs)
+    total, count, grads, batch = _packed(model, seqs, row_tokens=16)
+    assert batch["input_ids"].shape[0] < len(seqs)  # several sequences share a row
+    assert count == want_count == sum(LENGTHS)
+    assert abs(total - want_total) <= EXACT * abs(want_total)
+    _close(grads, want_grads)
+    assert max_leak(model) < 1e-12
+
+
+def test_position_ids_alone_leak_and_the_leak_is_measured() -> None:
+    """The pitfall: without the block-causal mask, a packed row attends across sequences."""
+    model = _model("llama", "sdpa")
+    seqs = _sequences()[:2]
+    batch = pack(seqs, [[0, 1]])
+    plain = {k: v for k, v in batch.items() if k != "seq_ids"}  # positions restart, no mask
+    with torch.no_grad():
+        leaked = model(input_ids=plain["input_ids"], position_ids=plain["position_ids"]).logits
+        alone = model(input_ids=seqs[1][0][None]).logits
+    assert float((leaked[0, len(seqs[0][0]) :] - alone[0]).abs().max()) > 1e-3
+    assert max_leak(model) < 1e-12
+
+
+def test_an_implementation_without_a_4d_mask_is_refused_by_name() -> None:
+    model = _model("llama", "sdpa")
+    model.config._attn_implementation = "flash_attention_2"
+    batch = pack(_sequences()[:2], [[0, 1]])
+    with pytest.raises(ValueError, match="attention implementation 'flash_attention_2'"):
+        mask_for(model, batch, torch.float64)
+
+
+def test_one_accumulated_packed_step_equals_the_unpacked_step() -> None:
+    """The Stepper over 2 packed micro-batches = over the same sequences one per row."""
+    import gradstep
+    from gradstep.hf import count_tokens
+
+    seqs = _sequences(seed=5)
+    base = _model("llama", "sdpa").train()
+
+    def run(window):
+        model = copy.deepcopy(base)
+        opt = torch.optim.SGD(model.parameters(), lr=0.3)
+        stepper = gradstep.Stepper(model, opt, clip=gradstep.ClipNorm(0.01))
+        stats = stepper.step(window, causal_lm_loss, count=count_tokens)
+        return stats, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    lengths = [len(s) for s, _ in seqs]
+    halves = [list(range(3)), list(range(3, len(seqs)))]
+    packed = [
+        mask_for(base, pack([seqs[i] for i in h], plan_rows([lengths[i] for i in h], 16), 16),
+                 torch.float64)
+        for h in halves
+    ]  # fmt: skip
+    plain = [
+        {"input_ids": s[None], "shift_labels": lab[None]} for s, lab in seqs
+    ]  # one sequence per micro-batch: nothing padded, nothing packed
+    got, got_params = run(packed)
+    want, want_params = run(plain)
+    assert got.items == want.items and got.clipped and want.clipped
+    assert got.loss == pytest.approx(want.loss, rel=EXACT)
+    assert got.grad_norm == pytest.approx(want.grad_norm, rel=EXACT)
+    _close(got_params, want_params)
