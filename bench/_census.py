@@ -1,7 +1,7 @@
 """Every collective one training step issues, with its issuer, kind, group and bytes.
 
 The approaches of the test suite's ``tests/parallel/sync_census.py`` and
-``tests/parallel/scenarios.py``'s ``CollectiveSpy``, combined:
+``tests/parallel/distributed_ranks.py``'s ``CollectiveSpy``, combined:
 
 - a ``TorchDispatchMode`` sees each ``c10d`` and functional collective dispatched from
   Python, whoever calls it, below the ``torch.distributed`` API;

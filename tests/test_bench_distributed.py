@@ -29,8 +29,8 @@ import _census  # noqa: E402
 pytestmark = pytest.mark.distributed
 
 WORLD = 2
-# The test's own calls; the spy's wrappers (scenarios.py) call torch on the test's behalf.
-OWN = {__file__: "test", str(Path(__file__).parent / "parallel" / "scenarios.py"): "test"}
+# The test's own calls; the spy's wrappers (distributed_ranks.py) call torch on the test's behalf.
+OWN = {__file__: "test", str(Path(__file__).parent / "parallel" / "distributed_ranks.py"): "test"}
 
 
 def _padded_bytes(params: list[torch.nn.Parameter], world: int) -> int:
@@ -45,7 +45,7 @@ def census_ranks(rank: int, world: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     import gradstep.parallel as gd
-    from tests.parallel.scenarios import CollectiveSpy
+    from tests.parallel.distributed_ranks import CollectiveSpy
     from tests.support.batches import make_windows
     from tests.support.models import tiny_gpt
     from tests.support.reference import lm_loss

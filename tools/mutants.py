@@ -88,7 +88,8 @@ MUTATIONS = [
         "skip the scheduler step",
         STEP,
         [("                self.scheduler.step()\n", "                pass\n")],
-        "tests/step/test_stepper.py tests/checkpoint/test_checkpoint.py",
+        "tests/step/test_stepper.py tests/checkpoint/test_checkpoint.py "
+        "tests/integration/checkpoint/test_checkpoint.py",
     ),
     m(
         "M3",
@@ -145,7 +146,7 @@ MUTATIONS = [
         "ZClip updates its EMA with the unclipped norm",
         "gradstep/policies/zclip.py",
         [("g_star = g if target is None else min(g, target)", "g_star = g")],
-        "tests/policies",
+        "tests/policies tests/integration/policies",
     ),
     m(
         "M7",
@@ -159,14 +160,14 @@ MUTATIONS = [
                 "    for n, path in step_dirs(directory)[::-1]:\n",
             )
         ],
-        "tests/checkpoint",
+        "tests/checkpoint tests/integration/checkpoint",
     ),
     m(
         "M8",
         "AGC excludes nothing",
         "gradstep/policies/agc.py",
         [(" if name not in self.exclude]", "]")],
-        "tests/policies",
+        "tests/policies tests/integration/policies",
     ),
     m(
         "P1",
@@ -199,7 +200,7 @@ MUTATIONS = [
                 "else cfg.accum_steps",
             )
         ],
-        "tests/checkpoint tests/cli",
+        "tests/checkpoint tests/cli tests/integration/checkpoint tests/integration/cli",
     ),
     m(
         "P5",
@@ -207,7 +208,7 @@ MUTATIONS = [
         # re-expressed (issue 22): metrics.peak_memory now reads memory.process's reader.
         "gradstep/memory/process.py",
         [("return int(line.split()[1]) * 1024  # kB", "return int(line.split()[1])  # kB")],
-        "tests/test_metrics.py",
+        "tests/test_metrics.py tests/integration/test_metrics.py",
     ),
     m(
         "P6",
@@ -297,7 +298,7 @@ MUTATIONS = [
         "a folder holding a run is taken for an empty one",
         RUNF,
         [("return any((out / name).exists() for name in RUN_FILES)", "return False")],
-        "tests/cli/test_run_folder.py",
+        "tests/integration/cli/test_run_folder.py",
     ),
     m(
         "N10",
@@ -309,21 +310,21 @@ MUTATIONS = [
                 "                pass\n",
             )
         ],
-        "tests/cli/test_run_folder.py",
+        "tests/integration/cli/test_run_folder.py",
     ),
     m(
         "N11",
         "resume silently ignores a changed --lr / --clip",
         RUNF,
         [("elif name in given and value != saved[name]:", "elif False:")],
-        "tests/cli/test_run_folder.py",
+        "tests/integration/cli/test_run_folder.py",
     ),
     m(
         "N13",
         "LARS/LAMB under FSDP2: trust ratios from this shard's norms",
         "gradstep/parallel/dtensor.py",  # re-expressed (issue 29): moved from optim/_shards.py
         [("            part = collectives.all_reduce_sum(part, group)\n", "            pass\n")],
-        "tests/optim",
+        "tests/optim tests/integration/optim",
     ),
     m(
         "N14",
@@ -343,14 +344,14 @@ MUTATIONS = [
         # re-expressed (issue 29): the finished check moved from train.py into the loop's start.
         "gradstep_cli/run/loop.py",
         [("    if run.finished(run.start):", "    if False:")],
-        "tests/cli/test_run_folder.py",
+        "tests/integration/cli/test_run_folder.py",
     ),
     m(
         "N15",
         "noise scale under fp16: the loss scale left in the micro-batch norms",
         "gradstep/gns.py",
         [("sq / stepper.loss_scale_factor**2", "sq")],
-        "tests/test_gns.py",
+        "tests/test_gns.py tests/integration/test_gns.py",
     ),
     m(
         "N16",
@@ -360,14 +361,14 @@ MUTATIONS = [
         # (issue 29): the squares counted once by parallel.dtensor.counted, the sizes divided
         # by the peers sharing them.
         [("(caps.agree_sum(local) / shared).unbind()", "(local / shared).unbind()")],
-        "tests/test_gns.py",
+        "tests/test_gns.py tests/integration/test_gns.py",
     ),
     m(
         "N17",
         "noise scale: the squared micro-batch sizes left out of both estimates",
         "gradstep/gns.py",
         [("        self._n_sq_sum = self._n_sq_sum + n * n\n", "        self._n_sq_sum = 0.0\n")],
-        "tests/test_gns.py",
+        "tests/test_gns.py tests/integration/test_gns.py",
     ),
     m(
         "N18",
@@ -379,7 +380,7 @@ MUTATIONS = [
                 "            self.trained += self.base_micro_batches * self.world",
             )
         ],
-        "tests/cli/run/test_schedule.py tests/cli/test_schedule.py",
+        "tests/cli/run/test_schedule.py tests/integration/cli/test_schedule.py",
     ),
     m(
         "N19",
@@ -391,7 +392,7 @@ MUTATIONS = [
                 "        return sum(loss.aux[n] for n in names)",
             )
         ],
-        "tests/step/test_aux.py",
+        "tests/step/test_aux.py tests/integration/step/test_aux.py",
     ),
     m(
         "N20",
@@ -400,7 +401,7 @@ MUTATIONS = [
         # collective (early_norm.local_part says whether it is still to be summed).
         "gradstep/step/norm.py",
         [("    return local * caps.norm_weight, True\n", "    return local, early is None\n")],
-        "tests/step/test_norm.py",
+        "tests/step/test_norm.py tests/integration/step/test_norm.py",
     ),
     m(
         "N21",
@@ -414,7 +415,7 @@ MUTATIONS = [
                 "    yield\n    if True:\n        for h in held:\n",
             )
         ],
-        "tests/step/test_norm.py",
+        "tests/step/test_norm.py tests/integration/step/test_norm.py",
     ),
     m(
         "N22",
@@ -1199,18 +1200,21 @@ MUTATIONS = [
         "H20",
         "--val-fraction: 'every key held out' compared with the records, not the distinct "
         "keys (copies: nothing left to train)",
-        "gradstep_cli/data/sources.py",
+        # re-expressed (issue 30): the split's rule moved with the first pass to data/scan.py.
+        "gradstep_cli/data/scan.py",
         [("    elif len(held) == len(units):", "    elif len(held) == len(keys):")],
         "tests",
     ),
     m(
         "H21",
         "record split's too-few check counts records, not distinct records (copies of one)",
-        "gradstep_cli/data/sources.py",
+        # re-expressed (issue 30): the split reads one hash per record (data/scan.py); the
+        # bug counts the records instead of asking whether two hashes differ.
+        "gradstep_cli/data/scan.py",
         [
             (
-                "    if len({r.line for r in read.records}) < 2:",
-                "    if len(read.records) < 2:",
+                "    if not (read.hashes != read.hashes[0]).any():  # copies of one record only",
+                "    if read.records < 2:",
             )
         ],
         "tests",

@@ -1,4 +1,5 @@
-"""Per-step training metrics, fanned out to sinks: JSON lines, TensorBoard, a Python callback.
+"""Per-step training metrics, fanned out to sinks: JSON lines, TensorBoard, W&B, MLflow
+(:mod:`gradstep.trackers`), a Python callback.
 
 One record (a flat ``dict``) per optimizer step: every :class:`~gradstep.StepStats` field
 (loss, pre- and post-clip gradient norm, clip coefficient and threshold, clip/skip flags
@@ -50,6 +51,10 @@ FINISHED_FILE = "metrics.finished.json"
 TENSORBOARD_TAGS: dict[str, str] = {
     "loss": "train/loss",
     "val_loss": "val/loss",
+    "val_accuracy": "val/accuracy",
+    "val_entropy": "val/entropy",
+    "val_items": "val/items",
+    "val_records": "val/records",
     "grad_norm": "grad/norm_pre_clip",
     "post_clip_norm": "grad/norm_post_clip",
     "clip_coef": "grad/clip_coef",
@@ -214,6 +219,10 @@ class MetricsLogger:
     Args:
         out_dir: run folder; when given, ``OUT_DIR/metrics.jsonl`` is always written.
         tensorboard: also write TensorBoard events to ``OUT_DIR/tensorboard``.
+        report_to: trackers to log to as well, of :data:`gradstep.trackers.TRACKERS`
+            (``"tensorboard"`` is ``tensorboard=True``; ``"wandb"``, ``"mlflow"`` need
+            their packages, imported only then); ``run_name``, ``run_config`` and
+            ``tracker_ids`` (a tracker's run to continue, by tracker) go to them.
         callbacks: plain functions called with each record.
         sinks: any further :class:`MetricsSink` objects.
         device: where the model lives, to choose the peak-memory source.
@@ -235,7 +244,13 @@ class MetricsLogger:
         device: torch.device | str | None = None,
         append: bool = False,
         start_index: int = 0,
+        report_to: Iterable[str] = (),
+        run_name: str | None = None,
+        run_config: Mapping[str, Any] | None = None,
+        tracker_ids: Mapping[str, str] | None = None,
     ) -> None:
+        report_to = tuple(report_to)
+        tensorboard = tensorboard or "tensorboard" in report_to
         if tensorboard and out_dir is None:
             raise ValueError("MetricsLogger: tensorboard=True needs out_dir (events go there)")
         self.device = torch.device(device) if device is not None else torch.device("cpu")
@@ -246,6 +261,8 @@ class MetricsLogger:
             if tensorboard:
                 tb_dir = Path(out_dir) / "tensorboard"
                 self.sinks.append(TensorBoardSink(tb_dir, start_index=start_index))
+        self.trackers = self._trackers(report_to, run_name, run_config, start_index, tracker_ids)
+        self.sinks.extend(self.trackers.values())
         self.sinks.extend(CallbackSink(fn) for fn in callbacks)
         for sink in sinks:
             if not isinstance(sink, MetricsSink):
@@ -256,6 +273,32 @@ class MetricsLogger:
             self.sinks.append(sink)
         self.started = time.perf_counter()
         self.steps_logged = 0
+
+    def _trackers(
+        self,
+        names: tuple[str, ...],
+        run_name: str | None,
+        config: Mapping[str, Any] | None,
+        start_index: int,
+        ids: Mapping[str, str] | None,
+    ) -> dict[str, Any]:
+        """W&B and MLflow sinks by name; the sinks opened so far are closed if one fails."""
+        from .trackers import tracker_sinks
+
+        wanted = [name for name in names if name != "tensorboard"]
+        try:
+            made = tracker_sinks(
+                wanted, self.out_dir, name=run_name, config=config, start_index=start_index,
+                run_ids=ids,
+            )  # fmt: skip
+        except BaseException:
+            self.close()
+            raise
+        return dict(zip([n for n in wanted if n in ("wandb", "mlflow")], made, strict=True))
+
+    def tracker_ids(self) -> dict[str, str]:
+        """The tracker runs logged to, by tracker (to continue them on a resume)."""
+        return {name: sink.run_id for name, sink in self.trackers.items()}
 
     def record(
         self,

@@ -20,6 +20,7 @@ import json
 import os
 import re
 import sys
+import time
 import typing
 from collections.abc import Callable, Sequence
 
@@ -68,8 +69,30 @@ def _run_train(args: argparse.Namespace) -> int:
     )
 
     cfg, given = _config(args)
+    if _launches(cfg):
+        return _launch(args, cfg, given)
     train(cfg, given=given)
     return 0
+
+
+def _launches(cfg: TrainConfig) -> bool:
+    """``--nproc-per-node`` given, and this process is not one of the workers it starts."""
+    from gradstep_cli.run.launch import wants_launch
+
+    return wants_launch(cfg)
+
+
+def _launch(args: argparse.Namespace, cfg: TrainConfig, given: set[str]) -> int:
+    """``--nproc-per-node N``: every flag checked here, once, then the workers started
+    through torch's launcher; a failed worker ends in one line naming its rank."""
+    from gradstep_cli.config.preflight import check_before_launch
+    from gradstep_cli.run.launch import launch_workers
+
+    check_before_launch(cfg, frozenset(given), planning=args.command == "plan")
+    status, error = launch_workers(cfg, args.argv)
+    if error is not None:
+        _fail(args.command, error, getattr(args, "json", False), status)
+    return status
 
 
 def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
@@ -99,32 +122,39 @@ def _run_plan(args: argparse.Namespace) -> int:
     from gradstep_cli.run.launch import Launch
     from gradstep_cli.run.start import check_plan
 
-    cfg, _ = _config(args)
+    cfg, given = _config(args)
+    if _launches(cfg):
+        return _launch(args, cfg, given)
+    started = time.perf_counter()
     owns_group = not parallel.is_initialized()
     env = parallel.init(cfg.device, timeout_s=cfg.collective_timeout)
     try:
         # What train would refuse, refused the same way before anything is probed.
-        checked = check_plan(cfg, Launch.of(cfg, env))
+        checked = check_plan(cfg, Launch.of(cfg, env), frozenset(given))
         with parallel.quiet_unless_main():
             data = load_data(checked)
             model = resolve_model(checked)
+            setup = time.perf_counter() - started
             planned = planning.plan_for(
                 cfg, checked.launch, model, data.source, probe=not args.no_probe
             )
-            _print_plan(planned, args.json)
+            took = planning.timing_line(planned, time.perf_counter() - started, setup)
+            _print_plan(planned, args.json, took)
     finally:
         if owns_group:
             parallel.shutdown(barrier=False)
     return 0
 
 
-def _print_plan(planned: typing.Any, as_json: bool) -> None:
+def _print_plan(planned: typing.Any, as_json: bool, took: str) -> None:
+    """The plan (or one JSON object), and how long planning took (stderr, or its key)."""
     if as_json:
-        print(json.dumps(planned.to_json()))
+        print(json.dumps({**planned.to_json(), "took": took}))
         return
     if planned.probe is not None:
         print(planned.probe.describe())
     print(planned.plan.table())
+    print(took, file=sys.stderr)
 
 
 def _add_report_parser(sub: argparse._SubParsersAction) -> None:
@@ -186,6 +216,17 @@ def _add_export_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--merge-lora", action="store_true", help="merge LoRA adapters into the base weights"
     )
+    parser.add_argument(
+        "--best",
+        action="store_true",
+        help="export the best checkpoint (a run trained with --keep-best METRIC)",
+    )
+    parser.add_argument(
+        "--base-name",
+        metavar="NAME",
+        help="an adapter's base_model_name_or_path: a Hub id or a path relative to where the "
+        "adapter is loaded (default: the base folder's absolute path)",
+    )
     parser.set_defaults(handler=_run_export)
 
 
@@ -194,7 +235,16 @@ def _run_export(args: argparse.Namespace) -> int:
         export_run,  # deferred: transformers is imported only when exporting
     )
 
-    print(export_run(args.run_dir, args.out, step=args.step, merge_lora=args.merge_lora))
+    print(
+        export_run(
+            args.run_dir,
+            args.out,
+            step=args.step,
+            merge_lora=args.merge_lora,
+            best=args.best,
+            base_name=args.base_name,
+        )
+    )
     return 0
 
 
@@ -239,12 +289,27 @@ def _os_error(exc: OSError, command: str) -> str:
     return f"{what}{where}: {hint}; any checkpoint saved before is intact (--resume continues)"
 
 
-def _fail(command: str, message: str, as_json: bool) -> None:
+def _fail(command: str, message: str, as_json: bool, status: int = 2) -> None:
     """One error line on stderr; with ``plan --json`` also ``{"error": ...}`` on stdout (rank
-    0 only: a launcher's stdout should hold one JSON object, not one per rank)."""
+    0 only: a launcher's stdout should hold one JSON object, not one per rank). A worker of
+    ``--nproc-per-node`` leaves its line to the launching process, which prints it once
+    with the rank; under any torch launcher the line also goes into the worker's error file
+    (torchrun's summary shows it)."""
+    from gradstep_cli.run.launch import is_worker, record_worker_error
+
+    if record_worker_error(message, status) and is_worker():
+        return
     print(f"gradstep {command}: error: {message}", file=sys.stderr)
     if as_json and os.environ.get("RANK", "0") == "0":
         print(json.dumps({"error": message}))
+
+
+def _record_crash(exc: BaseException) -> None:
+    """A worker's unexpected exception (its traceback follows on stderr), in its error file:
+    the launching process names the rank and the exception in its one line."""
+    from gradstep_cli.run.launch import record_worker_error
+
+    record_worker_error(f"{type(exc).__name__}: {exc}", 1)
 
 
 def _missing_extra() -> list[str]:
@@ -279,23 +344,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(json.dumps({"error": _Parser.last_error}))
         raise
     handler: Handler = args.handler
+    args.argv = argv  # what --nproc-per-node's workers run
     try:
         return handler(args)
     except (GradstepError, NotImplementedError, ValueError) as exc:
-        _fail(args.command, str(exc), as_json)
         # A write that failed (a checkpoint's file on a full disk) is the environment's
         # failure, as an OSError is: 1. Refused settings and input: 2.
-        return 1 if getattr(exc, "filename", None) else 2
+        status = 1 if getattr(exc, "filename", None) else 2
+        _fail(args.command, str(exc), as_json, status)
+        return status
     except OSError as exc:  # a full disk, a folder made read-only mid-run: no traceback
-        _fail(args.command, _os_error(exc, args.command), as_json)
+        _fail(args.command, _os_error(exc, args.command), as_json, 1)
         return 1
     except Exception as exc:
         from gradstep.parallel import collective_failure
 
         message = collective_failure(exc)
         if message is None:
+            _record_crash(exc)
             raise
-        _fail(args.command, message, as_json)
+        _fail(args.command, message, as_json, 1)
         return 1
     except KeyboardInterrupt:
         print(f"gradstep {args.command}: interrupted", file=sys.stderr)

@@ -4,6 +4,8 @@ Reads ``RUN_DIR/metrics.jsonl`` (one JSON object per optimizer step, as written 
 :class:`~gradstep.metrics.MetricsLogger`) and draws, for every run on the same axes:
 
 * ``loss``: train loss per step and validation loss where measured;
+* ``val_accuracy``, ``val_entropy``: the evaluations' token accuracy and mean entropy;
+* below the plots, each run's ``samples.jsonl`` (``--sample-prompts``) by step;
 * ``grad_norm``: pre- and post-clip global gradient norm on a log axis, the clip threshold,
   clipped steps (circles) and skipped steps (vertical lines);
 * ``clip_coef``, ``lr`` and ``tokens_per_s``.
@@ -34,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from gradstep.errors import GradstepError
 from gradstep.metrics import FINISHED_FILE
+from gradstep_cli.report_samples import samples_html
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -49,9 +52,14 @@ __all__ = [
     "write_report",
 ]
 
-PLOTS = ("loss", "grad_norm", "clip_coef", "lr", "tokens_per_s", "memory", "batch")
+PLOTS = (
+    "loss", "val_accuracy", "val_entropy", "grad_norm", "clip_coef", "lr", "tokens_per_s",
+    "memory", "batch",
+)  # fmt: skip
 _TITLES = {
     "loss": "Loss (token-weighted mean per step)",
+    "val_accuracy": "Validation token accuracy (argmax = target)",
+    "val_entropy": "Validation mean token entropy (nats)",
     "grad_norm": "Global gradient norm (log scale)",
     "clip_coef": "Clip coefficient (1 = not clipped)",
     "lr": "Learning rate",
@@ -195,6 +203,18 @@ def _plot_loss(ax: Axes, run: RunMetrics, color: str) -> None:
     ax.set_ylabel("loss")
 
 
+def _plot_measured(key: str, ylabel: str) -> Any:
+    """A value measured on some steps only (evaluations): markers joined by a line."""
+
+    def plot(ax: Axes, run: RunMetrics, color: str) -> None:
+        pairs = [(x, v) for x, v in zip(run.steps, run.series(key), strict=True) if v == v]
+        xs, ys = zip(*pairs, strict=True) if pairs else ((), ())
+        ax.plot(xs, ys, color=color, ls="--", marker="s", ms=4, label=run.name)
+        ax.set_ylabel(ylabel)
+
+    return plot
+
+
 def _plot_grad_norm(ax: Axes, run: RunMetrics, color: str) -> None:
     xs, pre = run.steps, _finite(run.series("grad_norm"), positive=True)
     ax.plot(xs, pre, color=color, label=f"{run.name} pre-clip")
@@ -248,6 +268,8 @@ def _plot_batch(ax: Axes, run: RunMetrics, color: str) -> None:
 
 _PLOTTERS = {
     "loss": _plot_loss,
+    "val_accuracy": _plot_measured("val_accuracy", "accuracy"),
+    "val_entropy": _plot_measured("val_entropy", "nats"),
     "grad_norm": _plot_grad_norm,
     "clip_coef": _plot_simple("clip_coef", "coefficient"),
     "lr": _plot_simple("lr", "learning rate"),
@@ -305,6 +327,7 @@ def _summary_row(run: RunMetrics) -> dict[str, str]:
         "skipped": str(sum(r.get("skipped") is True for r in run.records)),
         "median tokens/s": f"{statistics.median(tps):,.0f}" if tps else "-",
         "peak memory MiB": last("peak_memory_mb"),
+        "last val accuracy": last("val_accuracy"),
         "status": "in progress" if live else "finished",
     }
 
@@ -332,14 +355,15 @@ def _html(runs: Sequence[RunMetrics], images: dict[str, bytes]) -> str:
     style = (
         "body{font-family:sans-serif;max-width:60em;margin:2em auto}"
         "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:.2em .6em}"
-        "img{max-width:100%}"
+        "img{max-width:100%}pre{white-space:pre-wrap;margin:0}"
     )
     return (
         "<!DOCTYPE html>\n<html><head><meta charset='utf-8'><title>gradstep report</title>"
         f"<style>{style}</style></head><body><h1>gradstep report</h1>"
         f"<p>Generated {stamp}. Grad norms are global and pre-clip unless marked post-clip; "
         f"losses are token-weighted means.</p><ul>{paths}</ul>"
-        f"<table><tr>{head}</tr>{body}</table>{notes}{figures}</body></html>\n"
+        f"<table><tr>{head}</tr>{body}</table>{notes}{figures}"
+        f"{samples_html([(r.name, r.path) for r in runs])}</body></html>\n"
     )
 
 

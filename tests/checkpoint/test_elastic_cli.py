@@ -18,7 +18,7 @@ import pytest
 
 from gradstep.checkpoint import MANIFEST
 from gradstep_cli.cli import main
-from tests.checkpoint.ranks import cli_rank
+from tests.checkpoint.cli_ranks import cli_rank
 from tests.support.batches import text_corpus
 from tests.support.multiproc import run_ranks
 

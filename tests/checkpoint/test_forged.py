@@ -23,9 +23,9 @@ pytest.importorskip("transformers")
 
 from gradstep.checkpoint import Checkpointer, CheckpointError, saved_state  # noqa: E402
 from gradstep_cli.cli import main  # noqa: E402
+from tests.checkpoint.cli_ranks import cli_rank  # noqa: E402
 from tests.checkpoint.forge import forge_entry, forge_metadata  # noqa: E402
-from tests.checkpoint.ranks import cli_rank  # noqa: E402
-from tests.cli.test_export import FLAGS, corpus  # noqa: E402
+from tests.integration.cli.test_export import FLAGS, corpus  # noqa: E402
 from tests.support import hf_assets  # noqa: E402
 from tests.support.multiproc import run_ranks  # noqa: E402
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from gradstep.checkpoint import MANIFEST
+from tests.checkpoint.cli_ranks import rng_resume, rng_save_and_continue
 from tests.checkpoint.helpers import assert_same_full_state
-from tests.checkpoint.ranks import rng_resume, rng_save_and_continue
 from tests.support.multiproc import run_ranks
 
 STEPS = 2  # before the checkpoint, and after it

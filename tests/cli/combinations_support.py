@@ -56,12 +56,13 @@ SEQ_LEN = 32
 MAX_STEPS = 5
 MICRO_BATCH = 2  # rows per micro-batch of the fixed layout
 RESUME_AT = 2  # the checkpoint (taken steps) a resumed row continues from
-LR = 3e-3  # docs/demo.md: the default --lr
+LR = 3e-3  # docs/guide/cli.md: the default --lr
 BUDGET = "2GiB"  # far above what the tiny model needs: the plan never has to squeeze
 SEED = 0
 # metrics.jsonl fields that measure the machine, not the step: a resumed run differs there.
 VOLATILE = frozenset(
-    {"tokens_per_s", "step_time_s", "elapsed_s", "peak_memory_mb", "memory_source"}
+    {"tokens_per_s", "step_time_s", "elapsed_s", "peak_memory_mb", "memory_source",
+     "processed_tokens_per_s", "rss_mb"}
     | {"planned_peak_mb"}
 )
 RUN_TIMEOUT_S = 240
@@ -112,7 +113,7 @@ def accepted(values: Sequence[Any]) -> bool:
     docs say the CLI refuses, so the cover never asks for them.
 
     - ``--batch-ramp`` with ``--global-batch`` (which ``--micro-batch-size auto`` needs):
-      docs/batch-size.md "A ramp needs --accum-steps (not --global-batch)";
+      docs/guide/cli.md "A ramp needs --accum-steps (not --global-batch)";
     - ``--batch-ramp gns`` with ``--accum-steps 1``: the gns ramp "starts at ... 2
       micro-batches on one process" and "never above --accum-steps"; the CLI refuses it on
       any number of ranks (asserted by test_combinations' refusal test).
@@ -247,7 +248,7 @@ def read_run(out: Path) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str,
 
 
 def checkpoint(out: Path, step: int) -> Path:
-    """The run's checkpoint folder of ``step`` (named ``step-NNNNNN``, docs/demo.md)."""
+    """The run's checkpoint folder of ``step`` (named ``step-NNNNNN``, docs/guide/cli.md)."""
     named = ((p, re.fullmatch(r"step-(\d+)", p.name)) for p in (out / "checkpoints").iterdir())
     found = [p for p, m in named if m and int(m[1]) == step]
     assert len(found) == 1, f"no single checkpoint of step {step} in {out}: {found}"
@@ -265,7 +266,7 @@ def assert_clean(run: Finished) -> None:
 
 
 def lr_bound(row: Row, micro_batches: int) -> float:
-    """The most a step may use (docs/batch-size.md): ``--lr``, rescaled with a ramp to the
+    """The most a step may use (docs/guide/cli.md): ``--lr``, rescaled with a ramp to the
     step's batch relative to ``--accum-steps``. Without a ramp the batch in use is the full
     one, so every rule's factor is 1."""
     if row.batch_ramp is None or row.lr_scaling == "none":
@@ -309,7 +310,7 @@ def assert_finite(records: Sequence[dict[str, Any]], summary: dict[str, Any]) ->
 def assert_layout(row: Row, records: Sequence[dict[str, Any]], config: dict[str, Any]) -> None:
     """Micro-batches per step (per rank) as the docs define them: ``--accum-steps``; the
     plan's split of the global batch; or the ramp's schedule, within the run's budget of
-    ``max_steps × accum_steps`` micro-batches (docs/batch-size.md)."""
+    ``max_steps × accum_steps`` micro-batches (docs/guide/cli.md)."""
     per_step = [r["micro_batches"] for r in records]
     if row.micro_batch == "auto":
         assert config["global_batch"] == row.global_batch
@@ -364,7 +365,7 @@ def assert_resumed_equal(
     whole: Sequence[dict[str, Any]], resumed: Sequence[dict[str, Any]]
 ) -> None:
     """The resumed run's records are the uninterrupted run's after step RESUME_AT, bitwise
-    (docs/checkpoint.md: the resumed run's metrics.jsonl lines equal the uninterrupted
+    (docs/library/checkpoint.md: the resumed run's metrics.jsonl lines equal the uninterrupted
     run's), apart from the fields that measure the machine."""
     cut = next(i for i, r in enumerate(whole) if r["step"] == RESUME_AT and not r["skipped"])
     expected = [{k: v for k, v in r.items() if k not in VOLATILE} for r in whole[cut + 1 :]]

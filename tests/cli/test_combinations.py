@@ -20,7 +20,7 @@ it (a fresh ``python -m gradstep`` or torchrun process), and asserts on every ru
 - **rc 0, no traceback** on stdout or stderr.
 - **LR ≤ bound** on every step: ``--lr``; with a ramp and ``--lr-scaling`` linear/sqrt,
   ``--lr`` × (micro-batches of the step / ``--accum-steps``) or its square root
-  (docs/batch-size.md: the LR is rescaled to the batch in use, relative to
+  (docs/guide/cli.md: the LR is rescaled to the batch in use, relative to
   ``--accum-steps``). The bound is computed here from the docs, to 1e-12 relative.
 - **Finite metrics**: loss, grad_norm, post_clip_norm and lr finite on every taken step, a
   skipped step carries its skip reason, ``step`` counts the taken steps, the summary's
@@ -40,7 +40,7 @@ it (a fresh ``python -m gradstep`` or torchrun process), and asserts on every ru
 - **Resume**: on resumed rows the run saves every 2 steps; a second run resumes from its
   step-2 checkpoint into an empty folder (``--resume RUN/checkpoints/step-000002``) with the
   same flags and runs to the end. Its metrics.jsonl lines must equal the uninterrupted
-  run's after step 2 **bitwise** (CPU, same layout: docs/checkpoint.md), every field but
+  run's after step 2 **bitwise** (CPU, same layout: docs/library/checkpoint.md), every field but
   those that measure the machine (timings, peak memory, the plan's predicted peak).
 
 Known bugs surface as failing rows (issue 20): they are not xfailed. The module runs in CI

@@ -45,7 +45,7 @@ def counted(monkeypatch: pytest.MonkeyPatch) -> collections.Counter:
 
     count(hf, "_read_config", "config.json")
     count(hf, "_auto_tokenizer", "tokenizer")
-    count(sources, "_read", "data")
+    count(sources, "prepare", "data")
     count(spec, "build_model", "model")
     monkeypatch.setattr(cli_train, "run_loop", lambda run, started, callbacks: {"run": run})
     return made

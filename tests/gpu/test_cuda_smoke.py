@@ -1,8 +1,9 @@
 """GPU smoke suite: the exact step, bf16/fp16, DDP/FSDP2 over NCCL and a checkpoint on CUDA.
 
 ``make test-gpu`` runs it; without CUDA every test is skipped (the NCCL ones also need two
-GPUs). It is self-contained on purpose: the CPU suite's helper modules are not imported
-(they move), so the model, the data and the references are defined here.
+GPUs). The model, the data and the references are defined here, apart from the CPU suite's;
+starting and reaping the NCCL ranks (``free_port``, ``join_or_kill``) is
+tests/support/multiproc.py's.
 
 Every claim is checked against the plain computation: one float64 full batch (every
 sequence of the window, right-padded, mean over all non-ignored tokens), torch's own
@@ -15,9 +16,7 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 import tempfile
-import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import gradstep
+from tests.support.multiproc import free_port, join_or_kill
 
 pytestmark = [
     pytest.mark.cuda,
@@ -298,28 +298,12 @@ def _rank_main(rank: int, port: int, out: str, device: str, backend: str, job: t
     gd.shutdown(barrier="error" not in result)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_two_ranks(strategy: str, max_norm: float, timeout: float = 240) -> list[dict]:
     """Spawn 2 ranks (spawn: a forked CUDA context is unusable); kill them on a hang."""
     with tempfile.TemporaryDirectory() as out:
-        args = (_free_port(), out, DEVICE.type, BACKEND, (strategy, max_norm))
+        args = (free_port(), out, DEVICE.type, BACKEND, (strategy, max_norm))
         ctx = mp.start_processes(_rank_main, args=args, nprocs=2, join=False, start_method="spawn")
-        failure, deadline = None, time.monotonic() + timeout
-        try:
-            while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-                if time.monotonic() > deadline:
-                    for p in ctx.processes:
-                        if p.is_alive():
-                            p.kill()
-                    failure = f"ranks still running after {timeout:.0f}s: a hang"
-                    break
-        except Exception as exc:  # a rank died; torch terminates the other
-            failure = f"a rank exited abnormally: {exc}"
+        failure = join_or_kill(ctx, timeout)
         files = [Path(out, f"rank{r}.pt") for r in range(2)]
         results = [torch.load(f, weights_only=False) if f.exists() else None for f in files]
     for r, res in enumerate(results):  # a rank's own traceback is the root cause

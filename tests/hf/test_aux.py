@@ -29,7 +29,7 @@ from tests.hf.helpers import (  # noqa: E402
     rel_err,
     window_seqs,
 )
-from tests.hf.workers import aux_grads  # noqa: E402
+from tests.hf.hf_ranks import aux_grads  # noqa: E402
 from tests.support.multiproc import run_ranks  # noqa: E402
 
 TOL = 3e-7

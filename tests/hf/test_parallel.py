@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 from tests.hf.helpers import window_seqs  # noqa: E402
-from tests.hf.workers import single, strategies  # noqa: E402
+from tests.hf.hf_ranks import single, strategies  # noqa: E402
 from tests.support.multiproc import run_ranks  # noqa: E402
 
 TOL = 1e-10

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 LINE = re.compile(
     r"step +(\d+)  loss ([\d.naif-]+)  items (\d+)  grad norm \(pre-clip\) ([\d.naif-]+)  "
     r"clipped (True|False)"

@@ -13,8 +13,7 @@ import gradstep
 from gradstep import Checkpointer
 from gradstep.optim import LAMB, LARS, param_groups
 from gradstep_cli.cli import main
-from tests.optim import ranks
-from tests.support.batches import text_corpus
+from tests.optim import optimizer_ranks as ranks
 
 
 def test_param_groups_split_weights_from_biases_and_gains() -> None:
@@ -107,30 +106,6 @@ def _copy(model: nn.Module) -> nn.Module:
     import copy
 
     return copy.deepcopy(model)
-
-
-SMALL = [
-    "--n-layer", "1", "--n-head", "2", "--d-model", "16", "--seq-len", "16",
-    "--micro-batch-size", "2", "--accum-steps", "2", "--eval-batches", "1",
-    "--sample-tokens", "0", "--warmup", "1", "--eval-every", "0", "--max-steps", "2",
-]  # fmt: skip
-
-
-def test_demo_trains_with_lamb_and_refuses_another_optimizer_on_resume(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    corpus = text_corpus(tmp_path / "corpus")
-    out = tmp_path / "run"
-    flags = ["train", *SMALL, "--data", str(corpus), "--out", str(out)]
-    assert main([*flags, "--optimizer", "lamb", "--save-every", "1"]) == 0
-    assert '"optimizer": "lamb"' in (out / "config.json").read_text()
-    capsys.readouterr()
-    assert main([*flags, "--resume", "--max-steps", "3", "--optimizer", "lars"]) == 2
-    err = capsys.readouterr().err
-    assert "refused" in err and "--optimizer 'lars'" in err, err
-    # Not given: the checkpoint's optimizer (LAMB) carries on.
-    assert main([*flags, "--resume", "--max-steps", "3"]) == 0
-    assert '"optimizer": "lamb"' in (out / "config.json").read_text()
 
 
 def test_demo_rejects_an_unknown_optimizer(capsys: pytest.CaptureFixture[str]) -> None:

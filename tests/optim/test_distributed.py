@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.optim import ranks
+from tests.optim import optimizer_ranks as ranks
 from tests.support.multiproc import run_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(150)]

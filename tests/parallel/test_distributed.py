@@ -1,6 +1,6 @@
 """DDP and FSDP2: 2 ranks x k micro-batches give the step of one process on one big batch.
 
-Every claim is checked on real 2-process gloo runs (tests/parallel/scenarios.py) against
+Every claim is checked on real 2-process gloo runs (tests/parallel/distributed_ranks.py) against
 ``reference_run``: one process, all 2k micro-batches of a step concatenated into one batch,
 float64, mean token loss, ``clip_grad_norm_``, AdamW. The two ranks get different token
 counts (first steps: 19 vs 92 and 41 vs 134 tokens), so any mean-of-means or world-size
@@ -32,7 +32,7 @@ from torch import nn
 import gradstep.parallel as gd
 from gradstep.parallel.instrumentation import count_gradient_comms
 from gradstep_cli.data.sources import IGNORE_INDEX
-from tests.parallel import scenarios as sc
+from tests.parallel import distributed_ranks as sc
 from tests.support.asserts import flat_named, rel_err, rel_err_named
 from tests.support.models import TINY_GPT, tiny_gpt
 from tests.support.multiproc import free_port, run_ranks
@@ -144,7 +144,7 @@ def test_one_gradient_reduction_per_optimizer_step_whatever_k(runs: dict) -> Non
 
 def test_every_collective_of_a_step_is_accounted_for(runs: dict) -> None:
     """Every collective a step issues from Python, whatever its shape or dtype
-    (``scenarios.CollectiveSpy`` wraps every ``torch.distributed`` collective and DTensor's
+    (``distributed_ranks.CollectiveSpy`` wraps every ``torch.distributed`` collective and DTensor's
     functional ones). DDP: the backend's gradient all-reduce (one bucket, through its comm
     hook) and exactly ONE other collective, the Stepper's float64 all-reduce of the window
     (sc.WINDOW_NUMBERS).

@@ -1,6 +1,6 @@
 """Invariants of the parallel step that the parity tests (test_distributed.py) cannot see.
 
-On real 2-rank gloo runs (one start per strategy, tests/parallel/invariant_scenarios.py):
+On real 2-rank gloo runs (one start per strategy, tests/parallel/invariant_ranks.py):
 
 - fp16: an overflow in ONE rank's data skips the step on every rank and backs the loss
   scale off on every rank the same way, also where (FSDP2) the inf lands in one rank's
@@ -23,8 +23,8 @@ import math
 import pytest
 import torch
 
-from tests.parallel import invariant_scenarios as inv
-from tests.parallel import scenarios as sc
+from tests.parallel import distributed_ranks as sc
+from tests.parallel import invariant_ranks as inv
 from tests.support.asserts import rel_err_named
 from tests.support.models import TINY_GPT, tiny_gpt
 from tests.support.multiproc import run_ranks

@@ -63,10 +63,10 @@ def test_context_and_pipeline_parallel_are_refused_as_not_implemented(
     assert f"Layout: {field}=2 ({what} parallelism) is not implemented; {field} must be 1" in (
         message
     )
-    assert "design notes in docs/distributed.md" in message
+    assert "design notes in docs/design/pipeline-parallel.md" in message
     assert isinstance(info.value, NotImplementedError)
-    section = re.search(r"docs/distributed\.md \('(.+)'\)", message)
-    docs = Path(__file__).resolve().parents[2] / "docs" / "distributed.md"
+    section = re.search(r"docs/design/pipeline-parallel\.md \('(.+)'\)", message)
+    docs = Path(__file__).resolve().parents[2] / "docs" / "design" / "pipeline-parallel.md"
     assert section and f"\n## {section[1]}\n" in docs.read_text(), message  # it exists
 
 

@@ -3,8 +3,11 @@ process group through gradstep.parallel.init() (the env:// variables torchrun se
 one function; each rank's return value comes back to the caller (through ``torch.save``).
 
 Used by the distributed, elastic-checkpoint and FSDP2-policy tests and by
-bench/distributed.py. Starting ranks costs seconds on a 2-core machine, so callers run
-every scenario of a case in one start and inspect the results afterwards.
+bench/distributed.py; the GPU suite (tests/gpu/test_cuda_smoke.py) spawns its NCCL ranks
+itself and shares ``free_port`` and ``join_or_kill``. The rank functions live in
+``*_ranks.py`` modules beside their tests. Starting ranks costs seconds on a 2-core
+machine, so callers run every scenario of a case in one start and inspect the results
+afterwards.
 """
 
 from __future__ import annotations
@@ -103,7 +106,7 @@ def run_ranks(
             join=False,
             start_method="forkserver",
         )
-        failure = _wait(ctx, timeout)
+        failure = join_or_kill(ctx, timeout)
         files = [Path(out, f"rank{r}.pt") for r in range(world)]
         results = [torch.load(f, weights_only=False) if f.exists() else None for f in files]
     # A rank's own traceback is the root cause; a peer's exit error is only its echo.
@@ -115,8 +118,9 @@ def run_ranks(
     return results
 
 
-def _wait(ctx: Any, timeout: float) -> str | None:
-    """Join the ranks; kill them all after ``timeout`` seconds. Returns a failure or None."""
+def join_or_kill(ctx: Any, timeout: float) -> str | None:
+    """Join the ranks of ``ctx`` (``torch.multiprocessing.start_processes(..., join=False)``,
+    any start method); kill them all after ``timeout`` seconds. Returns a failure or None."""
     deadline = time.monotonic() + timeout
     try:
         while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):

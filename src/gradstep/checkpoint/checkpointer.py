@@ -100,6 +100,8 @@ class Checkpointer:
         )
         self.rng = bool(rng)
         self._verified: dict[Path, tuple[tuple, bool]] = {}
+        self.protected: set[int] = set()
+        """Steps whose checkpoints no prune removes, beside the ``keep`` newest (a best one)."""
 
     def __repr__(self) -> str:
         return f"Checkpointer({str(self.directory)!r}, keep={self.keep})"
@@ -134,7 +136,8 @@ class Checkpointer:
                 layout.fsync(tmp)
                 layout.publish(tmp, final)
                 published = True
-                layout.prune(self.directory, self.keep, protect={final}, is_valid=self._valid)
+                protect = {final, *(self.directory / f"step-{n:06d}" for n in self.protected)}
+                layout.prune(self.directory, self.keep, protect=protect, is_valid=self._valid)
         except BaseException as exc:
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)

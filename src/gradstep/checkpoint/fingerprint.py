@@ -17,7 +17,7 @@ base on 1 or 4. With several ranks the tensors are hashed round-robin (rank ``i 
 tensor ``i``) and the digests exchanged: every rank gets the same fingerprint.
 
 Cost: one sha256 pass over the frozen weights, on up to ``_THREADS`` threads (about 1 GB/s
-per core; measured in docs/checkpoint.md). It is computed once per model and remembered
+per core; measured in docs/library/checkpoint.md). It is computed once per model and remembered
 while the frozen parameters are unchanged (same storage, same autograd version counter,
 which every in-place write through the parameter bumps); a write through ``.data``
 bypasses the counter.

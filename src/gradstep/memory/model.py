@@ -195,7 +195,8 @@ def estimate_step_memory(
     :class:`HFShape` carries its own dropout.
 
     ``layout`` (``sharded``; a :class:`gradstep.parallel.Layout` on ``world_size`` ranks, None:
-    ``Layout()``; docs/memory.md): ``dp_replicate=R`` (HSDP) and ``tp=N`` (splitting the blocks'
+    ``Layout()``; docs/library/memory.md):
+    ``dp_replicate=R`` (HSDP) and ``tp=N`` (splitting the blocks'
     matmuls: :class:`TransformerShape`'s ``tp``) leave FSDP2 ``world_size / (R x N)`` ranks.
     """
     _check_args(micro_batch_size, world_size, attention)

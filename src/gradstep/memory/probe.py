@@ -62,7 +62,7 @@ SHAPE_SETTLED_BYTES = 2 * 2**20
 """A new input shape that leaves less than this resident does not grow the kernel caches
 any more (two in a row end the probe's shape sweep). Calibrated on CPU, torch 2.13, the
 demo GPT, where a new shape adds ~12 MiB while oneDNN's kernel caches fill
-(docs/memory.md)."""
+(docs/library/memory.md)."""
 
 
 def _timed_peak(

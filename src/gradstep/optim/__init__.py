@@ -6,7 +6,7 @@
 - :func:`param_groups`: weights in a decayed, adapted group; biases and norm gains in a
   group without weight decay or adaptation.
 
-See docs/optimizers.md.
+See docs/library/optimizers.md.
 """
 
 from .groups import param_groups

@@ -19,11 +19,15 @@
 - :mod:`.instrumentation`: counting gradient collectives, for tests and benchmarks only.
 
 :func:`strategy_for` detects the strategy from the model's wrapper; ``Stepper(...,
-strategy=...)`` takes one explicitly. The built-ins register like any other: a strategy is a
-class with ``name`` and ``detects(model)``, plus one ``register_strategy(cls, prepare=...)``
-call that lets ``prepare_model(model, name)`` build it too. A new *layout* touches more than
-its strategy file (the ``Layout`` field and its mesh, the memory model, the docs):
-docs/distributed.md lists what tensor parallel on a 3-D mesh took.
+strategy=...)`` takes one explicitly. The built-ins register like any other. A new strategy
+is not one file: for a layout gradstep already builds it is its file here (a class with
+``name``, ``detects(model)``, the core of :class:`Strategy` and the capabilities it
+declares), one ``register_strategy(cls, prepare=...)`` call (which lets
+``prepare_model(model, name)`` build it too) and its tests; a new mesh dim adds the
+:class:`Layout` field (:mod:`.layout`), the memory model's per-rank sizes and, outside the
+library, the CLI's flag. docs/library/distributed.md ("What a new strategy touches") lists
+it as measured on tensor parallel and on HSDP + tensor parallel; docs/reference/strategy.md
+lists every member of the protocol.
 """
 
 from __future__ import annotations

@@ -25,7 +25,8 @@ capability                 what it tells the step                               
 =========================  =====================================================  ==========
 
 Item counts are summed over the data-parallel ranks only: ranks that hold no distinct data
-(tensor peers) must not be counted twice.
+(tensor peers) must not be counted twice. Every member, and which built-in implements it:
+docs/reference/strategy.md; what a new strategy touches: docs/library/distributed.md.
 """
 
 from __future__ import annotations
@@ -395,5 +396,5 @@ class ProcessGroupStrategy:
                 f"{what} spans {size} of {self.world_size} ranks; gradstep supports data "
                 "parallelism over the whole default process group (DDP, FSDP2, HSDP) and "
                 "FSDP2 + tensor parallel over a (dp_shard, tp) or (dp_replicate, dp_shard, tp) "
-                "mesh; pipeline parallelism is not supported (docs/distributed.md)"
+                "mesh; pipeline parallelism is not supported (docs/library/distributed.md)"
             )

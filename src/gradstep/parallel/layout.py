@@ -8,7 +8,7 @@
   ``dp_replicate`` replicas (HSDP when both are > 1). ``dp_shard=-1``: the ranks left.
 - ``tp``: tensor-parallel peers; they hold parts of every block and read the same data.
 - ``cp``, ``pp``: context and pipeline parallelism, not implemented (refused; design notes in
-  docs/distributed.md).
+  docs/design/pipeline-parallel.md).
 
 The mesh has the dims in use, named and ordered as torchtitan's, ranks row-major:
 ``("dp_replicate", "dp_shard", "tp")``, ``dp_replicate`` and ``tp`` only when > 1 (so
@@ -83,7 +83,8 @@ class Layout:
                 raise UnsupportedSetup(
                     f"Layout: {name}={getattr(self, name)} ({what}) is not implemented; "
                     f"{name} must be 1. What exact support would need: the design notes in "
-                    f"docs/distributed.md ('{what.capitalize()} (refused): a design note')"
+                    f"docs/design/pipeline-parallel.md ('{what.capitalize()} (refused): "
+                    "a design note')"
                 )
 
     def __repr__(self) -> str:

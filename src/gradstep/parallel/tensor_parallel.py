@@ -104,7 +104,7 @@ def _check_meshes(model: nn.Module, dp_mesh: Any, world: int) -> Any:
                 f"parameter {name} lies on mesh {names} of {mesh.size()} ranks; with FSDP2 "
                 f"over {dp_names} every parameter must lie on that mesh or on one that "
                 f"starts with it and spans all {world} ranks (FSDP2 + tensor parallel); "
-                "pipeline parallelism is not supported (docs/distributed.md)"
+                "pipeline parallelism is not supported (docs/library/distributed.md)"
             )
         full = mesh
     if full is None:
@@ -113,6 +113,6 @@ def _check_meshes(model: nn.Module, dp_mesh: Any, world: int) -> Any:
             "is tensor parallel over the rest: gradstep supports data parallelism over the "
             "whole default process group, HSDP, and FSDP2 + tensor parallel (a (dp, tp) or "
             "(dp_replicate, dp_shard, tp) mesh); pipeline parallelism is not supported "
-            "(docs/distributed.md)"
+            "(docs/library/distributed.md)"
         )
     return full

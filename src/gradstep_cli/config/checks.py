@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
+import typing
 from typing import Any
 
 from gradstep.errors import GradstepError
 from gradstep.lr import LR_SCALING
 from gradstep.parallel import STRATEGIES, TIMEOUT_RANGE_S
 from gradstep.policies import parse_clip
+from gradstep_cli.config.evaluation import check_evaluation
 
 # gradstep_cli.config.settings.TrainConfig, which calls validate() when it is built: named here
 # without importing it back.
@@ -30,6 +33,7 @@ __all__ = [
     "PRECISIONS",
     "WARMUP_MAX",
     "ConfigError",
+    "coerce",
     "flag",
     "validate",
 ]
@@ -49,10 +53,9 @@ WARMUP_MAX = 20
 """Auto warm-up: 20 steps, or a fifth of --max-steps for runs shorter than 100 steps."""
 
 _AT_LEAST_ONE = (
-    "seq_len", "accum_steps", "max_steps", "eval_batches", "log_every", "keep_checkpoints",
-    "tp", "hsdp",
+    "seq_len", "accum_steps", "log_every", "keep_checkpoints", "tp", "hsdp",
 )  # fmt: skip
-_AT_LEAST_ZERO = ("warmup", "eval_every", "sample_tokens", "save_every", "threads")
+_AT_LEAST_ZERO = ("eval_every", "sample_tokens", "save_every", "threads")
 INITS = ("pretrained", "random")
 _CHOICES = {
     "init": INITS,
@@ -102,6 +105,10 @@ def validate(cfg: TrainConfig) -> None:
     for name, allowed in _CHOICES.items():
         _choice(name, getattr(cfg, name), allowed)
     _mesh(cfg)
+    check_evaluation(cfg)
+    from gradstep_cli.config.launching import check_launch  # it imports this module
+
+    check_launch(cfg)
     if not 0.0 <= cfg.gns_beta < 1.0:
         raise ConfigError(f"--gns-beta must be in [0, 1), got {cfg.gns_beta}")
     kind, colon, index = cfg.device.partition(":")
@@ -115,12 +122,30 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"--clip: {exc}") from exc
 
 
+def coerce(name: str, value: Any, hint: Any) -> Any:
+    """Check ``value`` against the field type; accept an int where a float is expected."""
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    kinds = [a for a in typing.get_args(hint)] if union else [hint]
+    if value is None and type(None) in kinds:
+        return None
+    kinds = [k for k in kinds if k is not type(None)]
+    if float in kinds and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, bool) and bool not in kinds:
+        value = object()  # True is an int to Python, not to a config file
+    if not any(isinstance(value, k) for k in kinds):
+        shown = " or ".join(k.__name__ for k in kinds)
+        raise ConfigError(f"{flag(name)} must be of type {shown}, got {value!r}")
+    return value
+
+
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ConfigError(f"{flag(name)} must be one of {', '.join(allowed)}; got {value!r}")
 
 
 def _schedule(cfg: TrainConfig) -> None:
+    """The learning rate, its schedule and the run's length (gradstep_cli.config.recipe)."""
     if not 0 < cfg.lr <= LR_MAX:
         why = (
             "a larger rate is far beyond any optimizer's useful range and overflows its "
@@ -129,19 +154,57 @@ def _schedule(cfg: TrainConfig) -> None:
             else "a learning rate is positive"
         )
         raise ConfigError(f"--lr must be in (0, {LR_MAX:g}], got {cfg.lr:g}: {why}")
-    if not 0.0 <= cfg.min_lr <= cfg.lr:
+    if cfg.lr_schedule == "constant" and cfg.min_lr != cfg.lr:
         raise ConfigError(
-            f"--min-lr must be in [0, --lr {cfg.lr:g}], got {cfg.min_lr:g} (leave it out "
-            "for lr / 10)"
+            f"--min-lr {cfg.min_lr:g} is where a decay ends: --lr-schedule constant has none "
+            "(drop --min-lr, or choose cosine, linear or wsd)"
         )
+    if not 0.0 <= cfg.min_lr <= cfg.lr:
+        raise ConfigError(f"--min-lr must be in [0, --lr {cfg.lr:g}], got {cfg.min_lr:g}")
     if cfg.weight_decay < 0:
         raise ConfigError(f"--weight-decay must be >= 0, got {cfg.weight_decay}")
-    if cfg.warmup > cfg.max_steps:
+    _length(cfg)
+    if cfg.decay_ratio is not None and cfg.lr_schedule != "wsd":
         raise ConfigError(
-            f"--warmup must be <= --max-steps ({cfg.max_steps}), got {cfg.warmup}: the "
-            "learning rate would never reach lr; pass a smaller --warmup, or leave it out "
-            f"(automatic: min({WARMUP_MAX}, max_steps // 5))"
+            f"--decay-ratio sets the decay of --lr-schedule wsd, not of {cfg.lr_schedule}"
         )
+    if cfg.decay_ratio is not None and not 0.0 < cfg.decay_ratio <= 1.0:
+        raise ConfigError(f"--decay-ratio must be in (0, 1], got {cfg.decay_ratio:g}")
+    if cfg.max_steps is not None:
+        from gradstep_cli.run.schedule import shape_of
+
+        try:
+            shape_of(cfg, cfg.max_steps)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    _optimizer(cfg)
+
+
+def _length(cfg: TrainConfig) -> None:
+    """--max-steps or --epochs, --stop-after, and --warmup's two forms."""
+    for name in ("max_steps", "stop_after"):
+        value = getattr(cfg, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag(name)} must be >= 1, got {value}")
+    if cfg.epochs is not None and not cfg.epochs > 0:
+        raise ConfigError(f"--epochs must be > 0, got {cfg.epochs:g}")
+    warmup = cfg.warmup
+    if warmup is not None and (warmup < 0 or (isinstance(warmup, float) and warmup >= 1)):
+        raise ConfigError(
+            f"--warmup must be whole steps (>= 0) or a share of the run in (0, 1), got {warmup}"
+        )
+
+
+def _optimizer(cfg: TrainConfig) -> None:
+    """--lr-schedule, --adam-betas and --adam-eps in range (given to an optimizer without
+    moments: refused with the settings given, gradstep_cli.config.recipe.adam_refusal)."""
+    from gradstep_cli.config.recipe import SCHEDULES, betas_of
+
+    _choice("lr_schedule", cfg.lr_schedule, SCHEDULES)
+    if cfg.adam_betas is not None:
+        betas_of(cfg.adam_betas)
+    if cfg.adam_eps is not None and not cfg.adam_eps > 0:
+        raise ConfigError(f"--adam-eps must be > 0, got {cfg.adam_eps:g}")
 
 
 def _run(cfg: TrainConfig) -> None:
@@ -256,12 +319,9 @@ def _mesh(cfg: TrainConfig) -> None:
 
 
 def _data(cfg: TrainConfig) -> None:
-    if not 0.0 < cfg.val_fraction < 1.0:
-        raise ConfigError(f"--val-fraction must be in (0, 1), got {cfg.val_fraction}")
-    for name in ("data", "val_data", "tokenizer"):
-        value = getattr(cfg, name)
-        if value is not None and not value.strip():
-            raise ConfigError(f"{flag(name)} must name a file, folder or glob, got an empty path")
+    from gradstep_cli.config.data_fields import check_data  # it imports this module
+
+    check_data(cfg)
 
 
 def _ramp(cfg: TrainConfig) -> None:

@@ -29,6 +29,8 @@ _METAVARS = {
     "model": "gpt|hf:PATH",
     "lora": "R",
     "aux_loss_coef": "COEF",
+    "sample_prompts": "FILE",
+    "report_to": "LIST",
 }
 
 

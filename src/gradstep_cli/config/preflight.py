@@ -14,10 +14,11 @@ import sys
 import torch
 
 from gradstep import parallel
+from gradstep_cli.config.evaluation import check_prompt_file, check_trackers
 from gradstep_cli.config.settings import ConfigError, TrainConfig
 from gradstep_cli.run.launch import Launch
 
-__all__ = ["check_global_batch", "check_run", "gns_notes"]
+__all__ = ["check_before_launch", "check_global_batch", "check_run", "gns_notes"]
 
 
 def check_run(cfg: TrainConfig, env: parallel.DistEnv | Launch, *, planning: bool = False) -> None:
@@ -30,8 +31,11 @@ def check_run(cfg: TrainConfig, env: parallel.DistEnv | Launch, *, planning: boo
     _check_launch(cfg, launch)
     _check_mesh(cfg, launch.world_size)
     _check_device(cfg, launch.device)
+    if not planning:  # before the run folder is touched
+        check_trackers(cfg)
+        check_prompt_file(cfg)
     data_ranks = launch.data_ranks  # tensor-parallel peers read the same data
-    if cfg.eval_batches < data_ranks:
+    if cfg.eval_batches is not None and cfg.eval_batches < data_ranks:
         raise ConfigError(
             f"--eval-batches must be >= the number of {_ranks(cfg)} ({data_ranks}): every "
             f"rank evaluates at least one batch, got {cfg.eval_batches}"
@@ -40,6 +44,37 @@ def check_run(cfg: TrainConfig, env: parallel.DistEnv | Launch, *, planning: boo
         check_global_batch(cfg.global_batch, data_ranks, _ranks(cfg))
     if planning:
         _check_plannable(cfg)
+
+
+def check_before_launch(cfg: TrainConfig, given: frozenset[str], *, planning: bool) -> None:
+    """``--nproc-per-node``: what the workers would refuse, refused once in the launching
+    process, before any worker starts: the launch (torchrun's own, or the ranks the flags
+    need), every check of :func:`check_run` on the planned ranks, and (``gradstep train``)
+    the run folder's rules and a resume's settings. What only a worker can see (its
+    data, its model's files) it reports itself, once, through the launcher."""
+    from gradstep_cli.run import folder as run_folder
+    from gradstep_cli.run.launch import planned_launch
+
+    if parallel.launched_by_torchrun():
+        raise ConfigError(
+            "--nproc-per-node starts the workers itself: under torchrun, drop it (torchrun's "
+            "own options say how many), or run gradstep without torchrun"
+        )
+    launch = planned_launch(cfg)
+    cuda = launch is not None and launch.device.type == "cuda"
+    if cuda and cfg.nproc_per_node > torch.cuda.device_count():
+        raise ConfigError(
+            f"--nproc-per-node {cfg.nproc_per_node}: this node has "
+            f"{torch.cuda.device_count()} CUDA device(s), one per worker"
+        )
+    if launch is not None:
+        check_run(cfg, launch, planning=planning)
+    if planning:
+        return
+    info = run_folder.find_checkpoint(cfg)
+    run_folder.prepare(cfg, info, delete=False)  # the workers' rank 0 deletes (--overwrite)
+    if launch is not None:
+        run_folder.resumed_settings(cfg, info, given, launch.data_ranks)
 
 
 def check_global_batch(global_batch: int, world_size: int, ranks: str = "ranks") -> None:

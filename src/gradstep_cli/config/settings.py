@@ -12,9 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import math
 import os
-import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,17 +29,24 @@ from gradstep_cli.config.checks import (
     PRECISIONS,
     WARMUP_MAX,
     ConfigError,
-    flag,
+    coerce,
     validate,
 )
+from gradstep_cli.config.data_fields import DataFields, is_hub_name
+from gradstep_cli.config.evaluation import EVAL_METRICS, normal_report_to
+from gradstep_cli.config.launching import LaunchFields
+from gradstep_cli.config.recipe import RecipeFields
 
 __all__ = [
+    "LR_MAX",
+    "OPTIMIZERS",
     "PRECISIONS",
     "RESUME_AUTO",
     "SECTIONS",
     "STRATEGIES",
     "ConfigError",
     "TrainConfig",
+    "WARMUP_MAX",
     "field_names",
 ]
 
@@ -81,7 +86,7 @@ def micro_batch_size_arg(value: str) -> int | str:
 
 
 @dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(RecipeFields, LaunchFields, DataFields):
     """Everything ``gradstep train`` needs. Defaults give a ~2 minute CPU demo run."""
 
     model: str = _f(
@@ -138,24 +143,6 @@ class TrainConfig:
     dropout: float = _f(
         "model", 0.0, "dropout probability in [0, 1) of the demo GPT (hf: its config)"
     )
-    data: str | None = _f(
-        "data",
-        None,
-        "text file, folder (recursive) or glob, or JSONL of {text}, {prompt, completion} or "
-        "{messages} records; default: stdlib .py",
-    )
-    val_data: str | None = _f(
-        "data", None, "validation data, as --data (default: --val-fraction of --data held out)"
-    )
-    val_fraction: float = _f(
-        "data",
-        0.1,
-        "share of --data held out for validation when --val-data is not given, in (0, 1)",
-    )
-    skip_bad_records: bool = _f(
-        "data", False, "skip (and count) JSONL records that cannot be used instead of stopping"
-    )
-    seq_len: int = _f("data", 128, "maximum tokens (bytes) per sequence")
     micro_batch_size: int | str = _f(
         "batch",
         8,
@@ -183,13 +170,6 @@ class TrainConfig:
         "grow the batch during training: START:STEPS (accumulation steps from START to "
         "--accum-steps over STEPS optimizer steps) or gns (double them whenever the measured "
         "noise scale exceeds the batch); the LR schedule then runs in sequences",
-    )
-    lr_scaling: str = _f(
-        "schedule",
-        "none",
-        "rescale the LR to the batch in use, relative to --accum-steps: none, linear (SGD) "
-        "or sqrt (Adam)",
-        choices=LR_SCALINGS,
     )
     gns: bool = _f(
         "batch", False, "measure the gradient noise scale (gns_b_simple in metrics.jsonl)"
@@ -228,39 +208,37 @@ class TrainConfig:
     threads: int = _f(
         "parallel", 1, "CPU intra-op threads for torch (0: torch's default, all cores)"
     )
-    optimizer: str = _f(
-        "optimizer",
-        "adamw",
-        "adamw, sgd (momentum 0.9), lars or lamb (gradstep.optim, exact under FSDP2); biases "
-        "and norm gains get no weight decay and no layer adaptation",
-        choices=OPTIMIZERS,
-    )
-    lr: float = _f("optimizer", 3e-3, f"peak learning rate (AdamW), in (0, {LR_MAX:g}]")
-    min_lr: float | None = _f(
-        "schedule", None, "learning rate at the end of the cosine decay", default_help="lr / 10"
-    )
-    weight_decay: float = _f("optimizer", 0.1, "AdamW weight decay on matrices and embeddings")
-    warmup: int | None = _f(
-        "schedule",
-        None,
-        "linear warmup steps (full-batch steps, with --batch-ramp)",
-        default_help=f"min({WARMUP_MAX}, max_steps // 5)",
-    )
-    max_steps: int = _f(
-        "schedule",
-        150,
-        "optimizer steps (windows) to run; with --batch-ramp the run's length in full-batch "
-        "steps: it trains on as many sequences, in more, smaller steps",
-    )
     seed: int = _f("run", 0, "seed for initialisation, data order and sampling")
     out: str = _f("run", "runs/demo", "run folder for config.json, metrics.jsonl, summary.json")
     eval_every: int = _f("run", 50, "validate every N steps (0: only at start and end)")
-    eval_batches: int = _f("run", 20, "validation micro-batches per evaluation")
+    eval_batches: int | None = _f(
+        "run", None, "score a fixed sample of N validation micro-batches, its size said, "
+        "instead of the whole validation set", default_help="the whole set",
+    )  # fmt: skip
+    keep_best: str | None = _f(
+        "run", None, "also keep the best evaluation's checkpoint by METRIC, never pruned "
+        "(gradstep export RUN --best)", choices=EVAL_METRICS,
+    )  # fmt: skip
+    early_stopping_patience: int = _f(
+        "run", 0, "stop after N evaluations without improving the --keep-best metric (0: never)"
+    )
     log_every: int = _f("run", 10, "progress refresh / plain log line every N steps")
     tensorboard: bool = _f("run", False, "also write TensorBoard events to OUT/tensorboard")
+    report_to: str | None = _f(
+        "run", None, "trackers besides metrics.jsonl, comma-separated: tensorboard, wandb, "
+        "mlflow (pip install 'gradstep[wandb]' / '[mlflow]'), or none",
+    )  # fmt: skip
     sample_tokens: int = _f(
-        "run", 200, "tokens (bytes for the demo GPT) to generate for the final sample (0: none)"
+        "run", 200, "tokens (bytes for the demo GPT) to generate for the final sample and per "
+        "--sample-prompts sample (0: none)",
+    )  # fmt: skip
+    sample_every: int = _f(
+        "run", 0, "sample --sample-prompts every N steps (0: at the start and end only)"
     )
+    sample_prompts: str | None = _f(
+        "run", None, "prompts for greedy samples into OUT/samples.jsonl: text (one per line) or "
+        "JSONL of strings, {prompt} or {messages} (chat template)",
+    )  # fmt: skip
     save_every: int = _f(
         "run", 0, "checkpoint to OUT/checkpoints every N steps and at the end (0: never)"
     )
@@ -291,7 +269,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         hints = _hints()
         for f in dataclasses.fields(self):
-            value = _coerce(f.name, getattr(self, f.name), hints[f.name])
+            value = coerce(f.name, getattr(self, f.name), hints[f.name])
             object.__setattr__(self, f.name, value)  # frozen: only normalises int -> float
         self._normalise()
         validate(self)
@@ -306,6 +284,8 @@ class TrainConfig:
             self._set("micro_batch_size", AUTO)
         if self.batch_ramp is not None:
             self._set("batch_ramp", "".join(self.batch_ramp.split()).lower())
+        if isinstance(self.report_to, str):
+            self._set("report_to", normal_report_to(self.report_to))
         self._absolute_paths()
         auto = set()
         if not self.is_hf:  # an hf: model keeps None: its config.json sets the shape
@@ -313,22 +293,16 @@ class TrainConfig:
                 if getattr(self, name) is None:
                     self._set(name, value)
                     auto.add(name)
-        if self.warmup is None and isinstance(self.max_steps, int):
-            # Short runs get a fifth of their length: the default never refuses them.
-            self._set("warmup", min(WARMUP_MAX, max(0, self.max_steps // 5)))
-            auto.add("warmup")
-        if self.min_lr is None and math.isfinite(self.lr):
-            # A tenth of lr as the decimal one would type: 3e-3 gives 3e-4, not 3.0000...03e-4.
-            self._set("min_lr", float(f"{self.lr / 10:.12g}"))
-            auto.add("min_lr")
+        auto |= self._resolve_recipe(self._set)  # the defaults that fit the model
         self._set("_auto", frozenset(auto))
 
     def _absolute_paths(self) -> None:
         """The files a run reads, as absolute paths: config.json and the checkpoints then
         name them whatever the working directory of a later resume or export."""
-        for name in ("data", "val_data", "tokenizer"):
+        for name in ("data", "val_data", "tokenizer", "sample_prompts"):
             value = getattr(self, name)
-            if isinstance(value, str) and value.strip():
+            hub = name in ("data", "val_data") and isinstance(value, str) and is_hub_name(value)
+            if isinstance(value, str) and value.strip() and not hub:
                 self._set(name, os.path.abspath(os.path.expanduser(value)))
         if isinstance(self.model, str) and self.is_hf and self.model[3:].strip():
             self._set("model", "hf:" + os.path.abspath(os.path.expanduser(self.model[3:])))
@@ -358,23 +332,6 @@ class TrainConfig:
 @functools.cache
 def _hints() -> dict[str, Any]:
     return typing.get_type_hints(TrainConfig)
-
-
-def _coerce(name: str, value: Any, hint: Any) -> Any:
-    """Check ``value`` against the field type; accept an int where a float is expected."""
-    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
-    kinds = [a for a in typing.get_args(hint)] if union else [hint]
-    if value is None and type(None) in kinds:
-        return None
-    kinds = [k for k in kinds if k is not type(None)]
-    if float in kinds and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, bool) and bool not in kinds:
-        value = object()  # True is an int to Python, not to a config file
-    if not any(isinstance(value, k) for k in kinds):
-        shown = " or ".join(k.__name__ for k in kinds)
-        raise ConfigError(f"{flag(name)} must be of type {shown}, got {value!r}")
-    return value
 
 
 def field_names() -> list[str]:

@@ -9,18 +9,27 @@ of the standard library's sources.
 
 from __future__ import annotations
 
+import codecs
 import glob
 import hashlib
 import os
 import stat
 import sysconfig
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from gradstep_cli.data.records import DataError
 from gradstep_cli.data.tokenized import Document
 
-__all__ = ["default_corpus_files", "path_hash", "text_files", "user_files"]
+__all__ = [
+    "none_usable",
+    "default_corpus_files",
+    "path_hash",
+    "read_range",
+    "scan_text_file",
+    "text_files",
+    "user_files",
+]
 
 # ~3 MB of stdlib source: enough text that the demo does not memorise it in a few minutes,
 # small enough to load in well under a second.
@@ -38,6 +47,8 @@ _SPECIAL = (
 )
 SYMLINKED = "a symlinked folder (not followed)"
 HIDDEN = "hidden (skipped)"
+WHOLE_READ_BYTES = 16 * 2**20  # files up to this size are read in one call
+BLOCK_BYTES = 2**20  # larger ones in blocks of this size (a str of one holds up to 4 MiB)
 
 
 def path_hash(name: str) -> int:
@@ -182,7 +193,56 @@ def _read_text_file(path: Path, flag: str = "--data") -> bytes | str:
     return data
 
 
-def _none_usable(source: str, skipped: dict[str, list[str]], flag: str = "--data") -> DataError:
+def _blocks(path: Path, flag: str) -> Iterator[bytes]:
+    """The file's bytes: a small file in one read, a large one in bounded blocks."""
+    try:
+        if path.stat().st_size <= WHOLE_READ_BYTES:
+            yield path.read_bytes()
+            return
+        with path.open("rb") as f:
+            while block := f.read(BLOCK_BYTES):
+                yield block
+    except OSError as exc:
+        raise DataError(f"{flag}: cannot read {str(path)!r}: {exc.strerror or exc}") from None
+
+
+def scan_text_file(path: Path, flag: str = "--data") -> tuple[str | None, int, bytes]:
+    """Why the file is skipped ("binary", "not UTF-8", "empty"; None: it is usable text),
+    its size and a digest of its bytes, read in bounded blocks (as :func:`_read_text_file`
+    judges)."""
+    decoder, digest = codecs.getincrementaldecoder("utf-8")(), hashlib.blake2b(digest_size=16)
+    size, nul, utf8 = 0, False, True
+    for block in _blocks(path, flag):
+        size += len(block)
+        digest.update(block)
+        nul = nul or b"\x00" in block
+        if utf8 and not nul:
+            try:
+                decoder.decode(block)
+            except UnicodeDecodeError:
+                utf8 = False
+    if utf8 and not nul:
+        try:
+            decoder.decode(b"", final=True)
+        except UnicodeDecodeError:
+            utf8 = False
+    why = "empty" if not size else "binary (NUL bytes)" if nul else None
+    return why or (None if utf8 else "not UTF-8 text"), size, digest.digest()
+
+
+def read_range(path: Path, start: int, end: int, flag: str = "--data") -> Iterator[bytes]:
+    """Bytes ``start:end`` of the file, in bounded blocks."""
+    try:
+        with path.open("rb") as f:
+            f.seek(start)
+            while start < end and (block := f.read(min(BLOCK_BYTES, end - start))):
+                start += len(block)
+                yield block
+    except OSError as exc:
+        raise DataError(f"{flag}: cannot read {str(path)!r}: {exc.strerror or exc}") from None
+
+
+def none_usable(source: str, skipped: dict[str, list[str]], flag: str = "--data") -> DataError:
     """The error for data with no usable file: why each kind of file was skipped."""
     if not skipped:
         return _nothing_found(source, {}, flag)
@@ -210,5 +270,5 @@ def text_files(
         else:
             docs.append(Document(name, content))
     if not docs:
-        raise _none_usable(source, skipped, flag)
+        raise none_usable(source, skipped, flag)
     return docs

@@ -1,11 +1,13 @@
-"""A run's data: text files and JSONL records, read, split and batched.
+"""A run's data: text files and records, read, split, tokenized once and batched.
 
 ``--data`` names text files (a file, a folder searched recursively, or a glob:
-:mod:`.data_files`) or JSONL files of records (:mod:`.records`); one argument holds one
-kind. Text is UTF-8 bytes for the demo GPT, or the HF model's tokens (:mod:`.tokenized`:
-documents end with EOS, records train on their completion or assistant turns only).
-Validation is ``--val-data``, or ``--val-fraction`` of ``--data`` held out: whole files for
-text, records for JSONL, at least one on each side (:func:`_held_out`).
+:mod:`.files`), record files (JSONL, JSON, Parquet, CSV, Arrow), a ``save_to_disk``
+folder or a Hub dataset (:mod:`.specs`, :mod:`.reading`); one argument holds one kind. Text
+is UTF-8 bytes for the demo GPT, or the HF model's tokens (documents end with EOS, records
+train on their completion or assistant turns only). Validation is ``--val-data``, or
+``--val-fraction`` of ``--data`` held out: whole files for text, records for records, at
+least one on each side (:mod:`.scan`). :func:`load_source` prepares it all once into a
+token store on disk (:mod:`.prepare`, :mod:`.store`) and cuts the run's stream from it.
 
 Design points, each there because the optimizer step depends on it:
 
@@ -24,17 +26,14 @@ Design points, each there because the optimizer step depends on it:
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from gradstep_cli.config.preflight import note
 from gradstep_cli.data.files import (
     DEFAULT_CORPUS_BYTES,
     default_corpus_files,
@@ -42,15 +41,15 @@ from gradstep_cli.data.files import (
     user_files,
 )
 from gradstep_cli.data.files import path_hash as _path_hash
-from gradstep_cli.data.records import BadRecords, DataError, Encoder, Record, read_jsonl
+from gradstep_cli.data.prepare import prepare
+from gradstep_cli.data.records import DataError, Encoder
+from gradstep_cli.data.scan import VAL_BUCKETS, _held_out, _unit
+from gradstep_cli.data.sides import Side, TextSource
 from gradstep_cli.data.tokenized import (
     IGNORE_INDEX,
     PAD_ID,
     Batch,
     Document,
-    Sequences,
-    Side,
-    TextSource,
     TrainBatches,
     plural_records,
     validation_batches,
@@ -72,8 +71,7 @@ __all__ = [
     "validation_batches",
 ]
 
-VAL_BUCKETS = 10  # --val-fraction 0.1: one file in ten (by path hash) is validation
-JSONL = ".jsonl"
+_EXPORTED_FOR_TESTS = (_held_out, _path_hash, _unit)  # the split's rule, tested here
 
 
 @dataclass(frozen=True)
@@ -89,34 +87,6 @@ class Corpus:
             f"{self.source}: {len(self.train)} train docs ({n_train:,} bytes), "
             f"{len(self.val)} val docs ({n_val:,} bytes)"
         )
-
-
-def _unit(key: str) -> float:
-    """A stable pseudo-random number in [0, 1) for ``key``: below ``fraction`` is validation.
-
-    Its first decimal digit is the path hash mod 10, so ``--val-fraction 0.1`` holds out
-    exactly the files it always did (hash mod 10 == 0); the rest of the hash fills in the
-    digits that other fractions need.
-    """
-    h = _path_hash(key)
-    return (h % VAL_BUCKETS + (h // VAL_BUCKETS % 10**9) / 10**9) / VAL_BUCKETS
-
-
-def _held_out(keys: Sequence[str], fraction: float) -> list[bool]:
-    """Which items are validation (docs/demo.md, ``--val-fraction``): every distinct key
-    whose :func:`_unit` is below ``fraction``, so copies stay together and an item's side
-    never depends on the others. Each side keeps at least one key: when none falls below,
-    the key of smallest hash is held out (as it always was); when all do, the key of
-    largest unit (the one the fraction holds out last) trains. Needs two distinct keys."""
-    units = {key: _unit(key) for key in keys}
-    if len(units) < 2:
-        raise ValueError(f"two distinct keys are needed to split, got {len(units)}")
-    held = {key for key, unit in units.items() if unit < fraction}
-    if not held:
-        held = {min(units, key=_path_hash)}
-    elif len(held) == len(units):
-        held.discard(max(units, key=units.__getitem__))
-    return [key in held for key in keys]
 
 
 def _split_by_file(
@@ -137,7 +107,8 @@ def _split_by_file(
 
 
 def load_corpus(data: str | None = None, max_bytes: int = DEFAULT_CORPUS_BYTES) -> Corpus:
-    """Load the default stdlib corpus (``data=None``) or the user's text files, split by file.
+    """Load the default stdlib corpus (``data=None``) or the user's text files, split by file,
+    in memory (for scripts and examples; a run reads its data through :func:`load_source`).
 
     ``max_bytes`` caps only the default corpus; user data is loaded in full.
     """
@@ -163,106 +134,10 @@ def collate(chunks: Sequence[np.ndarray | bytes]) -> Batch:
     return {"input_ids": input_ids, "labels": labels}
 
 
-@dataclass
-class _Read:
-    """What one ``--data`` / ``--val-data`` argument holds, before tokenization."""
-
-    source: str
-    docs: list[Document]
-    """Text files (none when the argument names JSONL files)."""
-    records: list[Record]
-    bad: BadRecords
-
-
-def _read(spec: str | None, flag: str, skip_bad: bool) -> _Read:
-    """Read the text files or JSONL files ``spec`` names (None: the default corpus)."""
-    if spec is None:
-        root, paths = default_corpus_files()
-        return _Read(f"stdlib {root}", text_files(root, paths, f"stdlib {root}"), [], BadRecords())
-    root, paths = user_files(spec, flag)
-    jsonl = [p for p in paths if p.name.endswith(JSONL)]
-    if jsonl and len(jsonl) < len(paths):
-        other = next(p for p in paths if not p.name.endswith(JSONL))
-        folder = spec if Path(spec).is_dir() else "DIR"
-        raise DataError(
-            f"{flag} {spec!r} holds both JSONL files ({jsonl[0].relative_to(root)}) and text "
-            f"files ({other.relative_to(root)}): one argument reads one kind; name the kind "
-            f"you mean, e.g. with a glob ('{Path(folder) / '**' / '*.jsonl'}')"
-        )
-    if not jsonl:
-        return _Read(spec, text_files(root, paths, spec, flag), [], BadRecords())
-    bad, records = BadRecords(), []
-    for path in jsonl:
-        name = path.relative_to(root).as_posix() if len(paths) > 1 else str(path)
-        records += read_jsonl(path, name, flag, skip_bad, bad)
-    if not records:
-        raise DataError(
-            f"{flag} {spec!r}: no usable records"
-            + (f" ({bad.count} bad, e.g. {bad.examples[0]})" if bad.count else "")
-        )
-    return _Read(spec, [], records, bad)
-
-
-def _too_few(read: _Read, fraction: float) -> DataError:
-    """The refusal for records that cannot go to both sides of the split."""
-    n = len(read.records)
-    held = f"{plural_records(n)}" if n == 1 else f"{plural_records(n)}, all copies of one"
-    if read.bad.count:
-        held += f" ({read.bad.count} more skipped as bad)"
-    return DataError(
-        f"--data {read.source!r} holds {held}: too few to split, since --val-fraction "
-        f"{fraction:g} holds at least 1 record out for validation and at least 1 other must "
-        "be left to train on (copies of a record stay on one side); give validation data "
-        "with --val-data PATH (then nothing of --data is held out), or more records"
-    )
-
-
-def _split(read: _Read, fraction: float) -> tuple[_Read, _Read]:
-    """Hold out ``fraction`` of ``read`` for validation: whole files, or records."""
-    if read.docs:
-        train, val = _split_by_file(read.docs, fraction)
-        return _Read(read.source, train, [], read.bad), _Read(read.source, val, [], BadRecords())
-    if len({r.line for r in read.records}) < 2:
-        raise _too_few(read, fraction)
-    is_val = _held_out([r.line for r in read.records], fraction)
-    sides: tuple[list[Record], list[Record]] = ([], [])
-    for record, held in zip(read.records, is_val, strict=True):
-        sides[held].append(record)
-    return _Read(read.source, [], sides[0], read.bad), _Read(
-        read.source, [], sides[1], BadRecords()
-    )
-
-
-def _held(train: _Read, val: _Read, fraction: float) -> str:
-    """What ``--val-fraction`` moved to validation, for an error about the training side."""
-    if val.records:
-        n, total = len(val.records), len(val.records) + len(train.records)
-        what = f"{n:,} of the {total:,} records"
-    elif len(val.docs) == 1 and val.docs[0].name.endswith("#val"):
-        n, total = len(val.docs[0].data), len(val.docs[0].data) + len(train.docs[0].data)
-        what = f"the last {n:,} of its {total:,} bytes"
-    else:
-        what = f"{len(val.docs)} of the {len(val.docs) + len(train.docs)} files"
-    return (
-        f"; --val-fraction {fraction:g} held {what} out for validation: give more data, a "
-        "smaller --val-fraction, or validation data with --val-data PATH"
-    )
-
-
-def _encode(read: _Read, encoder: Encoder, flag: str, skip_bad: bool) -> Side:
-    """One side's text files or records as tokens (or bytes) in one buffer."""
-    if read.docs:
-        docs = encoder.documents([d.data.decode("utf-8") for d in read.docs])
-        return Side(Sequences(docs, dtype=encoder.dtype), len(read.docs), {}, 0)
-    out = encoder.encode(read.records, flag, skip_bad, read.bad)
-    data = Sequences(out.documents, out.records, dtype=encoder.dtype)
-    return Side(data, 0, out.kinds, out.no_target)
-
-
 def _check_fits(side: Side, what: str, seq_len: int, held: str = "") -> None:
     """A side with no row at ``seq_len`` is an error saying why (not an empty stream).
     ``held``: what the split moved to the other side, said unless the fix is --seq-len."""
-    if len(side.data.spans(seq_len, None, 1.0)):
+    if side.data.has_rows(seq_len):
         return
     _, too_long = side.data.fit(seq_len)
     reasons = []
@@ -279,34 +154,6 @@ def _check_fits(side: Side, what: str, seq_len: int, held: str = "") -> None:
     raise DataError(f"{what}: no sequence to use ({why}){'' if too_long else held}")
 
 
-def _check_template(read: _Read, encoder: Encoder, flag: str) -> None:
-    """Conversations the tokenizer cannot train on: an error at the first one in the files."""
-    chat = next((r for r in read.records if r.kind == "messages"), None)
-    if chat is not None:
-        encoder.check_template(f"{flag} {chat.where}")
-
-
-def _overlap(train: _Read, val: _Read) -> str | None:
-    """A note when ``--val-data`` repeats ``--data``: its loss would not be held out."""
-    if val.records:
-        seen, keys, unit = {r.line for r in train.records}, [r.line for r in val.records], "record"
-    else:
-        digest = lambda doc: hashlib.blake2b(doc.data, digest_size=16).digest()  # noqa: E731
-        seen, keys, unit = {digest(d) for d in train.docs}, [digest(d) for d in val.docs], "file"
-    shared = sum(key in seen for key in keys)
-    if not shared:
-        return None
-    if shared == len(keys):
-        which = f"every --val-data {unit} is"
-    else:
-        which = f"{shared:,} of the {len(keys):,} --val-data {unit}s are"
-    return (
-        f"note: {which} also in --data: the validation loss is measured on training data "
-        "there and will not show overfitting; give held-out data as --val-data, or leave "
-        "it out (--val-fraction then holds part of --data out)"
-    )
-
-
 def _bytes_why(cfg: Any) -> str | None:
     """Why the data is bytes, for a refusal of chat records (None: the demo GPT)."""
     if not getattr(cfg, "is_hf", False):
@@ -321,29 +168,15 @@ def _bytes_why(cfg: Any) -> str | None:
 def load_source(cfg: Any, tokenizer: Any = None) -> TextSource:
     """The data ``cfg`` names (``--data``, ``--val-data`` or ``--val-fraction`` held out),
     read as bytes for the demo GPT (``tokenizer`` None) or tokenized with the HF model's
-    tokenizer. Bad input raises :class:`DataError` naming the flag, file and line."""
-    skip, encoder = cfg.skip_bad_records, Encoder(tokenizer, _bytes_why(cfg))
-    train = _read(cfg.data, "--data", skip)
-    _check_template(train, encoder, "--data")
-    held = ""
-    if cfg.val_data is None:
-        train, val = _split(train, cfg.val_fraction)
-        held = _held(train, val, cfg.val_fraction)
-    else:
-        val = _read(cfg.val_data, "--val-data", skip)
-        _check_template(val, encoder, "--val-data")
-        overlap = _overlap(train, val)
-        if overlap is not None:
-            note(overlap)
-    val_flag = "--val-data" if cfg.val_data else "--data"
-    sides = _encode(train, encoder, "--data", skip), _encode(val, encoder, val_flag, skip)
-    bad = BadRecords(train.bad.count + val.bad.count, [*train.bad.examples, *val.bad.examples])
-    source = TextSource(*sides, train.source, cfg.val_data, cfg.seq_len, encoder.unit, bad, held)
-    _check_fits(source.train, f"--data {train.source!r}", cfg.seq_len, held)
+    tokenizer, through the token store (built once, then reused). Bad input raises
+    :class:`DataError` naming the flag, file and line."""
+    encoder = Encoder(tokenizer, _bytes_why(cfg), cfg.template_kwargs)
+    source = prepare(cfg, encoder)
+    _check_fits(source.train, f"--data {source.source!r}", cfg.seq_len, source.held)
     if cfg.val_data is not None:
-        _check_fits(source.val, f"--val-data {val.source!r}", cfg.seq_len)
+        _check_fits(source.val, f"--val-data {cfg.val_data!r}", cfg.seq_len)
         return source
-    held_out = f"the --val-fraction {cfg.val_fraction} of --data {train.source!r} held out"
+    held_out = f"the --val-fraction {cfg.val_fraction} of --data {source.source!r} held out"
     more = "; give validation data with --val-data PATH, or more data"
     _check_fits(source.val, held_out, cfg.seq_len, more)
     return source

@@ -16,21 +16,25 @@ pre-shifted, and padding (right) is masked by the labels, never by a pad id (EOS
 every document and completion ends with, may be the tokenizer's pad token too).
 
 The buffer holds the tokenizer's ids, or UTF-8 bytes for the demo GPT
-(:class:`~gradstep_cli.data.records.Encoder` makes them). :class:`TrainBatches` is the
-resumable, rank-sharded stream over it, :func:`validation_batches` the fixed evaluation set.
+(:class:`~gradstep_cli.data.records.Encoder` makes them), in memory or in a token store
+on disk (:mod:`.store`), read a row at a time. :class:`TrainBatches` is the resumable,
+rank-sharded stream over it, :func:`validation_batches` the fixed evaluation set.
 """
 
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from gradstep_cli.data.records import BadRecords, DataError, Encoded
+from gradstep_cli.data.records import DataError, Encoded
+from gradstep_cli.data.store import StoreFile
 
 __all__ = [
     "FULL_FRAC",
@@ -39,9 +43,8 @@ __all__ = [
     "Batch",
     "Document",
     "Sequences",
-    "Side",
-    "TextSource",
     "TrainBatches",
+    "ValidationBatches",
     "plural_records",
     "validation_batches",
 ]
@@ -66,7 +69,11 @@ class Document:
 
 
 class Sequences:
-    """Documents and records in one buffer; builds the stream's spans and batches."""
+    """Documents and records in one buffer; builds the stream's spans and batches.
+
+    In memory (built from arrays, as here), or a side of a token store on disk
+    (:meth:`stored`): then only the boundaries are in memory and each row is read when its
+    batch is made."""
 
     def __init__(
         self,
@@ -78,9 +85,11 @@ class Sequences:
         parts += [np.asarray(r.ids, dtype=dtype) for r in records]
         doc_lengths = np.array([len(d) for d in documents], dtype=np.int64)
         self.doc_offsets = np.concatenate(([0], np.cumsum(doc_lengths)))
-        self.ids = np.concatenate(parts) if parts else np.empty(0, dtype=dtype)
+        self.ids: np.ndarray | StoreFile = (
+            np.concatenate(parts) if parts else np.empty(0, dtype=dtype)
+        )
         # None: every token is a target (documents only), the common and cheap case.
-        self.trainable: np.ndarray | None = None
+        self.trainable: np.ndarray | StoreFile | None = None
         rec_lengths = np.array([len(r.ids) for r in records], dtype=np.int64)
         starts = self.doc_offsets[-1] + np.concatenate(([0], np.cumsum(rec_lengths)))[:-1]
         # First target of each record: a cut from the left may remove tokens before it only.
@@ -90,7 +99,19 @@ class Sequences:
             self.trainable = np.ones(len(self.ids), dtype=bool)
             for start, record in zip(starts.tolist(), records, strict=True):
                 self.trainable[start : start + len(record.ids)] = record.trainable
+        self._tokens = len(self.ids)
         self._digest: str | None = None
+
+    @classmethod
+    def stored(cls, folder: Path, side: str, info: dict[str, Any], dtype: Any) -> Sequences:
+        """One side of the token store in ``folder`` (its meta: ``info``)."""
+        self = cls.__new__(cls)
+        self.doc_offsets = np.load(folder / f"{side}.offsets.npy")
+        self.records = np.load(folder / f"{side}.records.npy")
+        self.ids = StoreFile(folder / f"{side}.ids", dtype)
+        self.trainable = StoreFile(folder / f"{side}.mask", np.bool_) if info["mask"] else None
+        self._tokens, self._digest = int(info["tokens"]), str(info["digest"])
+        return self
 
     @property
     def n_documents(self) -> int:
@@ -102,7 +123,7 @@ class Sequences:
 
     def __len__(self) -> int:
         """Tokens in the buffer."""
-        return len(self.ids)
+        return self._tokens
 
     def digest(self) -> str:
         """A fingerprint of the tokens, masks and boundaries: the same data, the same stream."""
@@ -121,17 +142,34 @@ class Sequences:
         (variable lengths are where a token-weighted step matters). Without ``rng`` every
         span is full length (validation). Documents end mid-span.
         """
-        spans = []
-        for doc in range(self.n_documents):
-            pos, end = int(self.doc_offsets[doc]), int(self.doc_offsets[doc + 1])
+        if rng is None:
+            return self._full_chunks(seq_len)
+        spans = array("q")  # 16 bytes a span: an epoch's plan of a large corpus stays small
+        offsets, random, integers = self.doc_offsets.tolist(), rng.random, rng.integers
+        for pos, end in zip(offsets[:-1], offsets[1:], strict=True):
             while end - pos >= 2:
                 length = seq_len + 1
-                if rng is not None and rng.random() >= full_frac:
-                    length = int(rng.integers(2, seq_len + 2))
+                if random() >= full_frac:
+                    length = int(integers(2, seq_len + 2))
                 length = min(length, end - pos)
-                spans.append((pos, length))
+                spans.append(pos)
+                spans.append(length)
                 pos += length - 1
-        return np.array(spans, dtype=np.int64).reshape(-1, 2)
+        return np.frombuffer(spans, dtype=np.int64).reshape(-1, 2)
+
+    def _full_chunks(self, seq_len: int) -> np.ndarray:
+        """:meth:`chunks` without ``rng``: every span full length, computed at once."""
+        starts, lengths = self.doc_offsets[:-1], np.diff(self.doc_offsets)
+        per_doc = np.where(lengths >= 2, -(-(lengths - 1) // seq_len), 0)
+        doc = np.repeat(np.arange(len(lengths)), per_doc)
+        k = np.arange(len(doc)) - np.repeat(np.cumsum(per_doc) - per_doc, per_doc)
+        pos = starts[doc] + k * seq_len
+        length = np.minimum(seq_len + 1, starts[doc] + lengths[doc] - pos)
+        return np.stack([pos, length], axis=1).astype(np.int64).reshape(-1, 2)
+
+    def has_rows(self, seq_len: int) -> bool:
+        """Whether :meth:`spans` yields any row at ``seq_len`` (without making them)."""
+        return bool((np.diff(self.doc_offsets) >= 2).any() or self._cuts(seq_len)[1].any())
 
     def _cuts(self, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
         """Tokens cut from each record's left to fit, and whether it keeps every target."""
@@ -154,16 +192,22 @@ class Sequences:
         """Documents' chunks, then records' spans: one item per row of the stream."""
         return np.concatenate([self.chunks(seq_len, rng, full_frac), self.record_spans(seq_len)])
 
+    def _read(self, part: np.ndarray | StoreFile, start: int, count: int) -> np.ndarray:
+        if isinstance(part, StoreFile):
+            return part.read(start, count)
+        return part[start : start + count]
+
     def batch(self, spans: np.ndarray) -> Batch:
         """The rows of ``spans``, right-padded: ``input_ids`` (pad 0) and shifted ``labels``."""
         width = int(spans[:, 1].max()) - 1
         input_ids = np.full((len(spans), width), PAD_ID, dtype=np.int64)
         labels = np.full((len(spans), width), IGNORE_INDEX, dtype=np.int64)
         for row, (s, n) in enumerate(spans.tolist()):
-            input_ids[row, : n - 1] = self.ids[s : s + n - 1]
-            targets = self.ids[s + 1 : s + n].astype(np.int64)
+            tokens = self._read(self.ids, s, n)
+            input_ids[row, : n - 1] = tokens[:-1]
+            targets = tokens[1:].astype(np.int64)
             if self.trainable is not None:
-                targets[~self.trainable[s + 1 : s + n]] = IGNORE_INDEX
+                targets[~self._read(self.trainable, s + 1, n - 1)] = IGNORE_INDEX
             labels[row, : n - 1] = targets
         return {"input_ids": torch.from_numpy(input_ids), "labels": torch.from_numpy(labels)}
 
@@ -179,8 +223,10 @@ class TrainBatches(Iterator[Batch]):
     """Infinite, seeded stream of training micro-batches; resumable and rank-sharded.
 
     Each epoch re-chunks every document with random lengths, adds one row per record, and
-    shuffles them, using a generator seeded by ``(seed, epoch)``. Incomplete trailing
-    micro-batches are dropped so every micro-batch has ``micro_batch_size`` rows.
+    shuffles them, using a generator seeded by ``(seed, epoch)``, then cuts them into
+    micro-batches of ``micro_batch_size`` rows in that order; the epoch's last micro-batch
+    holds the rows left (fewer when they do not divide), so every row of an epoch trains
+    exactly once (the exact step weights a micro-batch by its tokens, not its rows).
     ``state_dict()`` is the position of the next micro-batch this rank will yield.
     """
 
@@ -201,16 +247,24 @@ class TrainBatches(Iterator[Batch]):
         self._data = _sequences(docs)
         self.epoch, self.index = 0, rank
         self._plan_epoch: int | None = None
-        self._plan = np.empty((0, micro_batch_size, 2), dtype=np.int64)
+        self._plan: list[np.ndarray] = []
         self._epoch_plan(0)  # too little data is an error now, not at the first step
 
-    def _epoch_plan(self, epoch: int) -> np.ndarray:
-        """Micro-batches of epoch ``epoch`` as ``(n, micro_batch_size, 2)`` spans (cached)."""
+    def epoch_length(self, epoch: int) -> int:
+        """Micro-batches of epoch ``epoch``, over all ranks (the last one may be short)."""
+        return len(self._epoch_plan(epoch))
+
+    def epoch_rows(self, epoch: int) -> int:
+        """Rows (sequences) of epoch ``epoch``: one per record, a document's chunks."""
+        return sum(len(batch) for batch in self._epoch_plan(epoch))
+
+    def _epoch_plan(self, epoch: int) -> list[np.ndarray]:
+        """Micro-batches of epoch ``epoch`` as ``(rows, 2)`` spans, every row once (cached)."""
         if self._plan_epoch != epoch:
             rng = np.random.default_rng([self.seed, epoch])
             spans = self._data.spans(self.seq_len, rng, self.full_frac)
             spans = spans[rng.permutation(len(spans))]
-            n = len(spans) // self.micro_batch_size
+            n = len(spans) // self.micro_batch_size  # full ones: one for every rank
             if n < self.world_size:
                 rows, smaller = len(spans), " or a smaller --micro-batch-size"
                 raise DataError(
@@ -219,7 +273,8 @@ class TrainBatches(Iterator[Batch]):
                     f"{self.world_size} needed (one per data-parallel rank); use more data"
                     + (smaller if self.micro_batch_size > 1 else "")
                 )
-            self._plan = spans[: n * self.micro_batch_size].reshape(n, self.micro_batch_size, 2)
+            mbs = self.micro_batch_size
+            self._plan = [spans[i : i + mbs] for i in range(0, len(spans), mbs)]
             self._plan_epoch = epoch
         return self._plan
 
@@ -268,28 +323,55 @@ class TrainBatches(Iterator[Batch]):
         self.epoch, self.index = int(state["epoch"]), position + self.rank
 
 
+class ValidationBatches(Sequence[Batch]):
+    """This rank's validation micro-batches, made when read (a whole validation set is not
+    held in memory): each is a group of spans, or the filler (its first batch with no
+    target)."""
+
+    def __init__(self, data: Sequences, groups: list[np.ndarray], filler: bool = False) -> None:
+        self._data, self._items = data, [(g, False) for g in groups]
+        if filler and groups:
+            self._items.append((groups[0], True))
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            out = ValidationBatches(self._data, [])
+            out._items = self._items[index]
+            return out
+        spans, filler = self._items[index]
+        batch = self._data.batch(spans)
+        if filler:
+            batch["labels"] = torch.full_like(batch["labels"], IGNORE_INDEX)
+        return batch
+
+
 def validation_batches(
     docs: Sequence[Document] | Sequences,
     seq_len: int,
     micro_batch_size: int,
-    num_batches: int,
+    num_batches: int | None = None,
     rank: int = 0,
     world_size: int = 1,
-) -> list[Batch]:
-    """A fixed list of validation micro-batches (this rank's stride of them).
+) -> ValidationBatches:
+    """The validation micro-batches (this rank's stride of them): every sequence once, or a
+    fixed sample of ``num_batches`` micro-batches.
 
     Document spans are full length (documents still end mid-span), records are one row
     each; all are shuffled with a fixed, seed-independent generator, so validation loss is
-    comparable across runs and seeds while covering many files, not just the first few.
+    comparable across runs and seeds, and a sample covers many files, not just the first
+    few. Every rank gets as many batches (FSDP2's forwards all-gather): a rank short of one
+    gets a copy of its first batch with no target, which scores nothing.
     """
     data = _sequences(docs)
     spans = data.spans(seq_len, None, 1.0)
     spans = spans[np.random.default_rng(0).permutation(len(spans))]
-    groups = [
-        spans[i : i + micro_batch_size]
-        for i in range(0, min(len(spans), num_batches * micro_batch_size), micro_batch_size)
-    ]
-    return [data.batch(g) for g in groups[rank::world_size]]
+    rows = len(spans) if num_batches is None else min(len(spans), num_batches * micro_batch_size)
+    groups = [spans[i : i + micro_batch_size] for i in range(0, rows, micro_batch_size)]
+    mine = groups[rank::world_size]
+    return ValidationBatches(data, mine, filler=len(mine) < -(-len(groups) // world_size))
 
 
 def plural(n: int, word: str) -> str:
@@ -299,96 +381,3 @@ def plural(n: int, word: str) -> str:
 
 def plural_records(n: int) -> str:
     return plural(n, "record")
-
-
-@dataclass(frozen=True)
-class Side:
-    """One side of the run's data (training or validation), tokenized."""
-
-    data: Sequences
-    files: int
-    """Text files (0 for JSONL)."""
-    kinds: dict[str, int]
-    """JSONL records kept, by kind."""
-    no_target: int
-    """JSONL records left out: not one token to train on."""
-
-    def describe(self, role: str, unit: str) -> str:
-        if not self.kinds:
-            return f"{self.files} {role} docs ({len(self.data):,} {unit})"
-        kinds = ", ".join(f"{n:,} {kind}" for kind, n in self.kinds.items())
-        total = sum(self.kinds.values())
-        return f"{total:,} {role} records ({kinds}; {len(self.data):,} {unit})"
-
-
-@dataclass(frozen=True)
-class TextSource:
-    """The run's data: where its training stream and validation batches come from."""
-
-    train: Side
-    val: Side
-    source: str
-    """``--data`` (or the default corpus)."""
-    val_source: str | None
-    """``--val-data``; None: held out of ``--data``."""
-    seq_len: int
-    """The run's ``--seq-len``: what the counts of cut and left-out records are for."""
-    unit: str
-    """"bytes" (the demo GPT) or "tokens"."""
-    bad: BadRecords
-    """JSONL records skipped with ``--skip-bad-records`` (both arguments)."""
-    held: str = ""
-    """What ``--val-fraction`` held out, appended to a refusal of the training side."""
-
-    def counts(self) -> dict[str, Any]:
-        """What was read, kept and left out, by number (for summaries and tests)."""
-        fits = [side.data.fit(self.seq_len) for side in (self.train, self.val)]
-        return {
-            "unit": self.unit,
-            "train_tokens": len(self.train.data),
-            "val_tokens": len(self.val.data),
-            "train_records": dict(self.train.kinds),
-            "val_records": dict(self.val.kinds),
-            "truncated": sum(cut for cut, _ in fits),
-            "too_long": sum(out for _, out in fits),
-            "no_target": self.train.no_target + self.val.no_target,
-            "bad_skipped": self.bad.count,
-        }
-
-    def describe(self) -> str:
-        """One line: what trains, what validates, and every record cut or left out."""
-        val = self.val.describe("val", self.unit)
-        line = f"{self.source}: {self.train.describe('train', self.unit)}, "
-        line += f"{val} from {self.val_source}" if self.val_source else val
-        n, seq = self.counts(), self.seq_len
-        if n["truncated"]:
-            line += f"; {plural_records(n['truncated'])} cut from the left to fit --seq-len {seq}"
-        if n["too_long"]:
-            line += (
-                f"; {plural_records(n['too_long'])} left out as too long: their targets alone need "
-                f"more than --seq-len {seq} positions (raise --seq-len)"
-            )
-        if n["no_target"]:
-            line += f"; {plural_records(n['no_target'])} left out: no token to train on"
-        if self.bad.count:
-            line += (
-                f"; {plural_records(self.bad.count)} skipped as bad (first: {self.bad.examples[0]})"
-            )
-        return line
-
-    def train_batches(
-        self, seq_len: int, rows: int, seed: int, rank: int, world_size: int
-    ) -> TrainBatches:
-        """This rank's resumable stream of training micro-batches of ``rows`` sequences."""
-        return TrainBatches(self.train.data, seq_len, rows, seed, rank, world_size)
-
-    def validation_batches(
-        self, seq_len: int, rows: int, num_batches: int, rank: int, world_size: int
-    ) -> list[Batch]:
-        return validation_batches(self.val.data, seq_len, rows, num_batches, rank, world_size)
-
-    def lengths(self, seq_len: int, seed: int = 0) -> np.ndarray:
-        """Positions of every row of one training epoch (its order aside): the real
-        lengths a memory plan can probe with."""
-        rng = np.random.default_rng([seed, 0])
-        return self.train.data.spans(seq_len, rng, FULL_FRAC)[:, 1] - 1

@@ -1,12 +1,14 @@
 """``gradstep export``: a trained ``hf:`` run as a folder the Hugging Face ecosystem loads.
 
 ``export_run(RUN_DIR, OUT, step=N, merge_lora=False)`` rebuilds the run's model from the
-settings its checkpoint recorded, loads the checkpoint into it and writes ``OUT``:
+settings its checkpoint recorded, loads the checkpoint into it (``best=True``: the one the run's
+``--keep-best`` kept, named by ``checkpoints/best.json``) and writes ``OUT``:
 
 - full fine-tuning: ``save_pretrained`` of the model (``config.json``, safetensors);
 - ``--lora``: the PEFT adapter folder (``adapter_config.json``,
   ``adapter_model.safetensors``) whose ``base_model_name_or_path`` is the base folder's
-  absolute path, so ``PeftModel.from_pretrained(base, OUT)`` and
+  absolute path, or ``base_name`` (``--base-name NAME``: a Hub id, or a path relative to
+  where it is loaded), so ``PeftModel.from_pretrained(base, OUT)`` and
   ``AutoModelForCausalLM.from_pretrained(OUT)`` both load it; with ``merge_lora`` the merged
   model (``merge_and_unload``) as for full fine-tuning;
 - always: the run's tokenizer files (when it had a tokenizer), a ``generation_config.json``
@@ -22,7 +24,7 @@ A LoRA checkpoint is checked against its base before anything is written: the ba
 weights must still be those the adapters were trained on (the checkpoint's base fingerprint).
 
 The folder appears complete or not at all, and a failed write names its file
-(:mod:`.export_folder`). The checkpoint is read under a
+(:mod:`.folder`; the files: :mod:`.write`). The checkpoint is read under a
 :func:`~gradstep.checkpoint.read_lease`, so a trainer still writing the run does not prune
 it meanwhile.
 """
@@ -43,7 +45,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradstep import __version__
 from gradstep.checkpoint import (
     MANIFEST,
     Checkpointer,
@@ -54,43 +55,80 @@ from gradstep.checkpoint import (
 from gradstep_cli.config.checks import ConfigError
 from gradstep_cli.config.settings import TrainConfig, field_names
 from gradstep_cli.export.folder import publish
+from gradstep_cli.export.write import END_OF_TURN, EXPORT_FILE, KINDS, no_progress_bars
+from gradstep_cli.export.write import write as _write
 from gradstep_cli.models.hf import HF_PREFIX, WEIGHT_FILES, build_model, load_tokenizer
 from gradstep_cli.run.folder import saved_settings
+from gradstep_cli.run.validation import BEST_FILE, best_checkpoint
 
 __all__ = ["END_OF_TURN", "EXPORT_FILE", "KINDS", "export_run"]
 
-EXPORT_FILE = "gradstep_export.json"
-KINDS = {"full": "the model", "lora-adapter": "the LoRA adapter", "lora-merged": "the merged model"}
-"""What an export holds (``gradstep_export.json``'s ``kind``), in words."""
-END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|eom_id|>")
-"""Chat templates' end-of-turn tokens: generation stops at them too when the template uses
-them (a model fine-tuned on chats ends its turn with one, not with EOS)."""
-
 
 def export_run(
-    run_dir: str | Path, out: str | Path, *, step: int | None = None, merge_lora: bool = False
+    run_dir: str | Path,
+    out: str | Path,
+    *,
+    step: int | None = None,
+    merge_lora: bool = False,
+    best: bool = False,
+    base_name: str | None = None,
 ) -> Path:
-    """Write the run's checkpoint (``step``, default the newest valid) to ``out``; return
-    ``out``. Raises ConfigError (a user mistake: names the argument and what to do),
-    CheckpointError (an unusable checkpoint) or OSError (a failed write, naming the file)."""
+    """Write the run's checkpoint (``step``; ``best``: the --keep-best one; default the
+    newest valid) to ``out``; return ``out``. An adapter names its base ``base_name``
+    (default: the base folder's absolute path). Raises ConfigError (a user mistake: names
+    the argument and what to do), CheckpointError (an unusable checkpoint) or OSError (a
+    failed write, naming the file)."""
     if not os.fspath(out).strip():  # Path("") is ".": the current folder, written in place
         raise ConfigError("--out must name the folder to write, got an empty path")
     out, run_dir = Path(out), Path(run_dir)
     _check_out(out)
+    if best:
+        step = _best_step(run_dir, step)
     with _pinned(run_dir, step) as info:
         cfg = run_settings(info, run_dir)
         _check_kind(cfg, info, merge_lora)
+        _check_base_name(cfg, merge_lora, base_name)
         model, tokenizer = _rebuild(cfg, info)
     kind = "full" if not cfg.lora else "lora-merged" if merge_lora else "lora-adapter"
     if kind == "lora-merged":
         model = model.merge_and_unload()
-    with _no_progress_bars():
-        publish(out, lambda folder: _write(folder, model, tokenizer, cfg, info, kind))
+    with no_progress_bars():
+        write = lambda folder: _write(folder, model, tokenizer, cfg, info, kind, base_name)  # noqa: E731
+        publish(out, write)
     print(f"exported {KINDS[kind]} of {info.path} (step {info.step}) to {out}", file=sys.stderr)
     return out
 
 
 # ----------------------------------------------------------------------------- checks
+
+
+def _best_step(run_dir: Path, step: int | None) -> int:
+    """--best: the step ``best.json`` of the run's checkpoints names."""
+    if step is not None:
+        raise ConfigError(f"--best exports the best checkpoint; --step {step} another: pass one")
+    where = _where(run_dir)
+    best = best_checkpoint(where)
+    if best is None:
+        raise ConfigError(
+            f"--best: RUN_DIR {str(run_dir)!r} names no best checkpoint (no {BEST_FILE} in "
+            f"{str(where)!r}): train with --keep-best METRIC (val_loss, val_accuracy), or "
+            "export the newest (no --best) or one --step"
+        )
+    return int(best["step"])
+
+
+def _check_base_name(cfg: TrainConfig, merge_lora: bool, base_name: str | None) -> None:
+    """--base-name names an adapter's base: it needs one, and a name."""
+    if base_name is None:
+        return
+    if not base_name.strip():
+        raise ConfigError("--base-name must name the base model (a Hub id or a path), got ''")
+    if not cfg.lora or merge_lora:
+        what = "the merged model" if merge_lora else "the whole model (no --lora)"
+        raise ConfigError(
+            f"--base-name names the base an adapter loads onto; this export writes {what}, "
+            "which needs no base: drop --base-name"
+        )
 
 
 def _check_out(out: Path) -> None:
@@ -294,92 +332,3 @@ def _rebuild(cfg: TrainConfig, info: CheckpointInfo) -> tuple[nn.Module, Any]:
     except CheckpointError as exc:
         raise CheckpointError(f"cannot export: {exc}") from None
     return model, tokenizer
-
-
-# ------------------------------------------------------------------------------ write
-
-
-def _write(
-    folder: Path,
-    model: nn.Module,
-    tokenizer: Any,
-    cfg: TrainConfig,
-    info: CheckpointInfo,
-    kind: str,
-) -> None:
-    base = _base_model(model)
-    base.config.use_cache = True  # the run turned it off for training; generation wants it
-    if kind == "lora-adapter":
-        peft_config = model.peft_config["default"]
-        peft_config.base_model_name_or_path = str(Path(cfg.model[len(HF_PREFIX) :]).resolve())
-        peft_config.inference_mode = True
-    try:
-        model.save_pretrained(str(folder))
-    except Exception as exc:  # safetensors' I/O error names no file: the weights' it is
-        if getattr(exc, "filename", None) is None and "(os error" in str(exc):
-            exc.filename = str(folder / _weights_name(model, kind))
-        raise
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(folder))
-    _generation_config(base, tokenizer).save_pretrained(str(folder))
-    fingerprint = info.base_fingerprint
-    adapters = (p for p in model.parameters() if p.requires_grad)
-    written = next(adapters if kind == "lora-adapter" else base.parameters())
-    record = {
-        "format": "gradstep-export",
-        "kind": kind,
-        "run_checkpoint": str(info.path.resolve()),
-        "step": info.step,
-        "model": cfg.model,
-        "dtype": str(written.dtype).removeprefix("torch."),
-        "base_fingerprint": None if fingerprint is None else fingerprint.digest,
-        "tokenizer": tokenizer is not None,
-        "gradstep_version": __version__,
-    }
-    (folder / EXPORT_FILE).write_text(json.dumps(record, indent=1) + "\n")
-
-
-@contextlib.contextmanager
-def _no_progress_bars() -> Iterator[None]:
-    """save_pretrained's "Writing model shards" bar: the export prints its own line."""
-    from transformers.utils import logging
-
-    enabled = logging.is_progress_bar_enabled()
-    logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if enabled:
-            logging.enable_progress_bar()
-
-
-def _weights_name(model: nn.Module, kind: str) -> str:
-    """The file ``save_pretrained`` writes the weights to (past 50 GB, shards: a pattern)."""
-    if kind == "lora-adapter":
-        return "adapter_model.safetensors"
-    size = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    return "model.safetensors" if size <= 50 * 10**9 else "model-*.safetensors"
-
-
-def _base_model(model: nn.Module) -> Any:
-    """The ``PreTrainedModel`` inside a PEFT model (or the model itself)."""
-    get = getattr(model, "get_base_model", None)
-    return get() if callable(get) else model
-
-
-def _generation_config(model: Any, tokenizer: Any) -> Any:
-    """The model's generation config with the tokenizer's EOS (and end-of-turn) and pad."""
-    from transformers import GenerationConfig
-
-    gen = GenerationConfig.from_model_config(model.config)
-    if tokenizer is None:
-        return gen
-    eos = [tokenizer.eos_token_id]
-    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
-    vocab = tokenizer.get_vocab()
-    eos += [vocab[t] for t in END_OF_TURN if t in vocab and t in template and vocab[t] not in eos]
-    gen.eos_token_id = eos[0] if len(eos) == 1 else eos
-    gen.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    if tokenizer.bos_token_id is not None:
-        gen.bos_token_id = tokenizer.bos_token_id
-    return gen

@@ -6,7 +6,7 @@ the tokenizer is DIR's own (``--tokenizer`` overrides; none: the data is bytes).
 are float32, except the frozen base of ``--lora --precision bf16`` (bfloat16; PEFT keeps
 the adapters float32): an AdamW update of ~lr rounded into bf16 storage is lost for most
 weights at fine-tuning learning rates, so trained weights stay float32 under autocast
-(docs/hugging-face.md, "Your model and tokenizer"). ``--lora`` adds PEFT adapters
+(docs/guide/fine-tuning.md, "The model folder"). ``--lora`` adds PEFT adapters
 (:mod:`gradstep_cli.models.lora`); ``--aux-loss-coef`` turns on a mixture of experts' router
 loss.
 """

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import gc
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from gradstep import Stepper, parallel
@@ -49,7 +51,7 @@ from gradstep_cli.plan.budget import MARGIN, analytic_fixed_bytes, device_budget
 from gradstep_cli.plan.estimate import estimate_kwargs, model_shape, quiet, quiet_hf_config
 from gradstep_cli.run.launch import Launch
 
-__all__ = ["Planned", "plan_for", "plan_run"]
+__all__ = ["PLAN_SECONDS", "Planned", "plan_for", "plan_run", "timing_line"]
 
 SWEEP_SHAPES = 6
 
@@ -63,10 +65,14 @@ class Planned:
     peaks there when that is above its step (every candidate's prediction includes it)."""
     width: int = 0
     """The longest row the probe and the analytic model planned for (HF: the data's)."""
+    data_peak_bytes: int = 0
+    """The process's peak while it prepared the data (CPU, under a budget): every
+    candidate's prediction includes it too."""
 
     def to_json(self) -> dict:
         out = self.plan.to_json()
         out["width"] = self.width
+        out["data_peak_bytes"] = self.data_peak_bytes
         if self.probe is not None:
             out["probe"] = {
                 "fixed_bytes": self.probe.fixed_bytes,
@@ -116,7 +122,8 @@ def _data(cfg: TrainConfig, source: Any) -> _Data:
     GPT plans for rows of ``--seq-len``."""
     if not cfg.is_hf:
         return _Data(cfg.seq_len, source=source)
-    lengths = [int(n) for n in source.lengths(cfg.seq_len, cfg.seed)]
+    # Distinct lengths: all the sweep reads (a list of every row's is 40 bytes a row).
+    lengths = np.unique(source.lengths(cfg.seq_len, cfg.seed)).tolist()
     return _Data(max(lengths, default=cfg.seq_len), lengths, source)
 
 
@@ -276,11 +283,13 @@ def plan_for(
         **kwargs,
     )
 
+    data_peak = getattr(getattr(source, "prepared", None), "peak_bytes", 0)
+
     def predict(mbs: int, checkpointing: bool) -> int:
-        return max(step_peak(mbs, checkpointing), build_peak)
+        return max(step_peak(mbs, checkpointing), build_peak, data_peak)
 
     plan = _choose(run, launch.data_ranks, predict, result, probe_ckpt)
-    return Planned(plan, result, build_peak, data.width)
+    return Planned(plan, result, build_peak, data.width, data_peak)
 
 
 def _choose(
@@ -312,3 +321,35 @@ def _choose(
     if error is not None:
         raise ConfigError(error)
     return plan
+
+
+PLAN_SECONDS = 30.0
+"""What ``gradstep plan`` should take at most; when it takes longer it says why."""
+
+
+def timing_line(planned: Planned, total: float, setup: float) -> str:
+    """How long the plan took, and where; past :data:`PLAN_SECONDS`, why. ``setup``: the
+    seconds before planning (reading the data and the model)."""
+    probe = planned.probe
+    line = f"planned in {total:.1f}s: reading the data and the model {setup:.1f}s, "
+    if probe is None:
+        return line + "the analytic estimate (no probe)"
+    steps = len(probe.points) + (probe.warmup is not None) + probe.shapes_run
+    line += (
+        f"probing {probe.seconds_total:.1f}s ({steps} training steps of the model: "
+        f"{len({b for b, _, _ in probe.points})} sizes, {probe.shapes_run} more input shapes)"
+    )
+    if total <= PLAN_SECONDS:
+        return line
+    why = []
+    if probe.seconds_total >= setup:
+        why.append(f"a probe step took {probe.seconds_total / max(steps, 1):.1f}s here")
+    else:
+        why.append(f"reading the data and the model took {setup:.1f}s")
+    load, cpus = os.getloadavg()[0], os.cpu_count() or 1
+    if load > cpus:
+        why.append(f"the machine is loaded ({load:.1f} runnable processes on {cpus} CPUs)")
+    return (
+        f"{line}; over {PLAN_SECONDS:.0f}s: {', and '.join(why)}. --no-probe plans from the "
+        "analytic estimate alone, without running a step"
+    )

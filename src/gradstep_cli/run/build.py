@@ -32,8 +32,9 @@ from gradstep_cli.plan.batch import BatchPlan
 from gradstep_cli.plan.planning import Planned
 from gradstep_cli.run import resume
 from gradstep_cli.run.components import build_optimizer
+from gradstep_cli.run.evaluation import sample_note
 from gradstep_cli.run.launch import Launch
-from gradstep_cli.run.schedule import BatchRamp, LRSchedule, WarmupCosine
+from gradstep_cli.run.schedule import BatchRamp, LRSchedule, run_length, shape_of
 from gradstep_cli.run.start import Checked
 
 __all__ = ["Run", "build_run", "say"]
@@ -120,6 +121,8 @@ def build_run(checked: Checked, data: Data, model: ModelSpec, plan: BatchPlan) -
     torch.manual_seed(cfg.seed)
     module, stepper, gns = _model_and_stepper(cfg, model, launch.device, plan.planned)
     train_iter, val = rank_batches(cfg, data.source, layout, launch.data_rank, launch.data_ranks)
+    per_step = layout.stream_items_per_window * launch.data_ranks
+    cfg, length = run_length(cfg, train_iter, per_step, layout.stream_rows)  # --epochs
     schedule = _schedule(cfg, layout, launch, checked.horizon)
     run = Run(cfg, launch, data, layout, module, stepper, schedule, train_iter, val)
     run.planned, run.gns = plan.planned, gns
@@ -127,6 +130,10 @@ def build_run(checked: Checked, data: Data, model: ModelSpec, plan: BatchPlan) -
     if mesh is not None:
         say(run, mesh)
     say(run, f"data: {data.source.describe()}")  # what trains, and every record cut or left out
+    if length is not None:
+        say(run, length)
+    if (sampled := sample_note(cfg, data.source, layout)) is not None:
+        say(run, sampled)  # --eval-batches: the validation loss is a sample's
     if cfg.batch_ramp is not None:
         run.ramp = BatchRamp.from_spec(cfg.batch_ramp, layout.micro_batches, launch.data_ranks)
     _resume(run, info)
@@ -161,7 +168,7 @@ def _model_and_stepper(
 def _schedule(cfg: TrainConfig, layout: Layout, launch: Launch, horizon: int | None) -> LRSchedule:
     # A resume keeps the checkpoint's horizon (loaded with the schedule's state; older
     # checkpoints: their run's max_steps), however far this invocation trains.
-    shape = WarmupCosine(cfg.warmup, horizon or cfg.max_steps, cfg.min_lr / cfg.lr)
+    shape = shape_of(cfg, horizon or cfg.max_steps)
     return LRSchedule(shape, cfg.lr, layout.micro_batches, cfg.lr_scaling, launch.data_ranks)
 
 
@@ -169,7 +176,7 @@ def _resume(run: Run, info: CheckpointInfo | None) -> None:
     """Load the checkpoint the run continues; give the run its checkpointer."""
     for line in resume.load(run, info) if info is not None else []:
         say(run, line)
-    if run.cfg.save_every or info is not None:
+    if run.cfg.save_every or info is not None or run.cfg.keep_best is not None:
         run.checkpointer = resume.checkpointer(run)
 
 

@@ -31,6 +31,8 @@ from typing import Any
 from gradstep.checkpoint import Checkpointer, CheckpointInfo, saved_state
 from gradstep.metrics import FINISHED_FILE
 from gradstep_cli.config.checks import GPT_SHAPE, ConfigError, flag
+from gradstep_cli.config.launching import LAUNCH_FIELDS
+from gradstep_cli.config.recipe import adam_refusal, recipe_note
 from gradstep_cli.config.settings import RESUME_AUTO, TrainConfig
 from gradstep_cli.run.lock import LOCK_FILE, locked
 
@@ -56,11 +58,15 @@ RUN_FILES = (
     "checkpoints",
     "tensorboard",
     "report",
+    "samples.jsonl",
+    "trackers.json",
+    "wandb",
 )
 # What a run may change when it is resumed: how far it goes and what it shows.
 CONTINUABLE = frozenset(
     {
         "max_steps",
+        "epochs",
         "eval_every",
         "eval_batches",
         "log_every",
@@ -68,6 +74,10 @@ CONTINUABLE = frozenset(
         "save_every",
         "keep_checkpoints",
         "tensorboard",
+        "report_to",
+        "early_stopping_patience",
+        "sample_every",
+        "sample_prompts",
         "memory_budget",
         "activation_checkpointing",
     }
@@ -87,6 +97,8 @@ ENVIRONMENT = frozenset(
         "tp",
         "hsdp",
         "collective_timeout",
+        "stop_after",
+        *LAUNCH_FIELDS,
     }
 )
 # Changes the model or the data stream: the checkpoint's own checks refuse a misfit with
@@ -141,8 +153,9 @@ def _own_checkpoint(out: Path, info: CheckpointInfo) -> bool:
     return info.path.resolve().parent == (out / "checkpoints").resolve()
 
 
-def prepare(cfg: TrainConfig, info: CheckpointInfo | None) -> None:
-    """Enforce the one-run-per-folder rule on rank 0, before anything is written."""
+def prepare(cfg: TrainConfig, info: CheckpointInfo | None, delete: bool = True) -> None:
+    """Enforce the one-run-per-folder rule on rank 0, before anything is written; with
+    ``--overwrite`` delete the run there (unless not ``delete``: a check only)."""
     out = Path(cfg.out)
     if not holds_run(out):
         return
@@ -158,7 +171,8 @@ def prepare(cfg: TrainConfig, info: CheckpointInfo | None) -> None:
             f"--out {str(out)!r} already holds a run; pass --resume to continue it, "
             "--overwrite to delete it and start over, or choose a new --out"
         )
-    _delete_run(out)
+    if delete:
+        _delete_run(out)
 
 
 def _delete_run(out: Path) -> None:
@@ -198,6 +212,10 @@ def saved_settings(info: CheckpointInfo) -> dict[str, Any] | None:
         # Older checkpoints recorded the demo GPT's shape for an hf: model, where it never
         # applied (the model's config.json sets it): null, as a new run records.
         saved.update(dict.fromkeys(GPT_SHAPE))
+    if "lr_schedule" not in saved:  # from before --lr-schedule: what such a run ran
+        betas = {"adamw": ("0.9,0.95", 1e-8), "lamb": ("0.9,0.999", 1e-6)}
+        saved["adam_betas"], saved["adam_eps"] = betas.get(saved.get("optimizer"), (None, None))
+        saved.update(lr_schedule="cosine", decay_ratio=None, epochs=None)
     return saved
 
 
@@ -254,21 +272,32 @@ def merge_settings(
         )
     notes = [f"resume: the checkpoint's settings apply: {', '.join(taken)}"] if taken else []
     horizon = saved["max_steps"] if horizon is None else horizon
-    notes += _horizon_notes(merged["max_steps"], horizon, merged["min_lr"])
+    stop = _length(merged, given)
+    if stop is not None:  # else derived from --epochs, once the data is read
+        notes += _horizon_notes(stop, horizon, merged["min_lr"])
     # The schedule keeps its horizon, so --warmup is checked against it, not against where
     # this resume stops: a run may stop before the checkpoint's warm-up would have ended.
-    stop = merged["max_steps"]
     try:
-        resumed = TrainConfig(**{**merged, "max_steps": max(stop, horizon)})
+        resumed = TrainConfig(**{**merged, "max_steps": max(stop or horizon, horizon)})
     except ConfigError as exc:
         raise ConfigError(f"{_resume_flag(cfg)}: the resumed settings do not fit: {exc}") from None
     resumed._set("max_steps", stop)
     return resumed, notes
 
 
+def _length(merged: dict[str, Any], given: frozenset[str]) -> int | None:
+    """The resumed run's --max-steps: a given --max-steps replaces the run's --epochs, a
+    given --epochs its derived steps (None: derived again from the data)."""
+    if "max_steps" in given:
+        merged["epochs"] = None
+    elif "epochs" in given or merged.get("epochs") is not None:
+        merged["max_steps"] = None
+    return merged["max_steps"]
+
+
 def _horizon_notes(max_steps: int, horizon: int, min_lr: float) -> list[str]:
     """What a resume to another --max-steps does to the LR schedule, which keeps its
-    horizon (docs/demo.md, run-folder rules)."""
+    horizon (docs/guide/cli.md, run-folder rules)."""
     keeps = f"the learning-rate schedule keeps the checkpoint's max_steps {horizon}"
     if max_steps > horizon:
         return [
@@ -292,9 +321,14 @@ def resumed_settings(
 ) -> tuple[TrainConfig, list[str]]:
     """What a resumed run runs (the checkpoint's settings, plus what may change) on
     ``world`` data-parallel ranks (the ranks, except under --tp). ``horizon``: the
-    checkpoint's :func:`schedule_horizon` (read here when not given)."""
+    checkpoint's :func:`schedule_horizon` (read here when not given). A new run's note says
+    which defaults applied (gradstep_cli.config.recipe)."""
+    if {"epochs", "max_steps"} <= given:
+        raise ConfigError("--epochs and --max-steps both set the run's length: pass one of them")
+    if (unused := adam_refusal(cfg, given)) is not None:
+        raise ConfigError(unused)
     if info is None:
-        return cfg, []
+        return cfg, [recipe_note(cfg)]
     saved = saved_settings(info)
     if (saved or {}).get("batch_ramp") is not None and info.dp_size != world:
         ranks = "rank(s)" if info.dp_size == info.world_size else "data-parallel rank(s)"

@@ -12,7 +12,9 @@ built (:mod:`gradstep_cli.run.start`, by the rules of :mod:`gradstep_cli.run.fol
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,7 +38,14 @@ class Progress:
     micro_batches: int = 0
     """Micro-batches per rank consumed by the steps so far (skipped ones included)."""
     step_time: float = 0.0
+    positions: int = 0
+    """Positions the model processed (prompt and padding included), over the data ranks."""
     recent: list[tuple[float, int]] = field(default_factory=list)
+    best_step: int | None = None
+    """--keep-best: the step of the best evaluation so far (its checkpoint is kept)."""
+    best_value: float = math.nan
+    stale_evals: int = 0
+    """Evaluations since the best one (--early-stopping-patience stops at the patience)."""
 
     def state_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -110,7 +119,25 @@ def checkpointer(run: Run) -> Checkpointer:
 
 
 def cut_metrics(path: Path, steps: int) -> None:
-    """Keep the metrics of the first ``steps`` steps: the later ones will be run again."""
-    if path.exists():
-        lines = path.read_text().splitlines(keepends=True)[:steps]
-        path.write_text("".join(line for line in lines if line.endswith("\n")))
+    """Keep each step up to ``steps`` once, in order: the later ones will be run again.
+
+    A record names its step (``window``; records from before it did count by their line).
+    Of a step written twice, by a run that died after it and the resume that ran it again
+    (an older gradstep cut by line count), the last written is kept; an unterminated last
+    line (a process killed mid-write) is dropped. Rewritten beside and renamed: a crash
+    here leaves the file as it was."""
+    if not path.exists():
+        return
+    kept: dict[int, str] = {}
+    for line_number, line in enumerate(path.read_text().splitlines(keepends=True), start=1):
+        if not line.endswith("\n"):
+            continue
+        try:
+            step = int(json.loads(line).get("window", line_number))
+        except (ValueError, TypeError, AttributeError):
+            continue  # not a record
+        if step <= steps:
+            kept[step] = line
+    temporary = path.with_name(path.name + ".cut")
+    temporary.write_text("".join(kept[step] for step in sorted(kept)))
+    os.replace(temporary, path)

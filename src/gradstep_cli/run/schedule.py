@@ -20,13 +20,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from gradstep import scale_lr
+from gradstep_cli.config.recipe import SCHEDULES
 from gradstep_cli.data.sources import Batch
 
 __all__ = [
     "GNS_PATIENCE",
     "BatchRamp",
     "LRSchedule",
+    "LRShape",
+    "SCHEDULES",
     "WarmupCosine",
+    "shape_of",
+    "warmup_steps",
     "parse_ramp",
     "ramp_windows",
 ]
@@ -37,28 +42,92 @@ GNS_PATIENCE = 10
 
 
 @dataclass(frozen=True)
-class WarmupCosine:
-    """LR multiplier at clock ``t`` (full-batch steps): linear warm-up, then cosine decay.
+class LRShape:
+    """LR multiplier at clock ``t`` (full-batch steps): warm-up, then ``kind``.
 
-    A pure function (and a picklable object, not a lambda). Warm-up starts at ``1 / warmup``
-    rather than 0 so the first step is not wasted. Never above 1, also at a fractional clock
-    (a batch ramp's) between ``warmup - 1`` and ``warmup``, where the ramp is complete.
-    From ``max_steps`` on (the steps of an extended run) it stays at ``min_ratio``.
+    transformers' conventions, so the same numbers give the same curve: the warm-up rises
+    linearly from 0 (step ``t`` of ``warmup`` runs at ``t / warmup``: the first step at
+    0), ``wsd``'s from ``min_ratio``; then cosine or linear decay to ``min_ratio`` at
+    ``max_steps``, or constant, or stable until the last ``decay`` steps of ``wsd``'s
+    cosine decay. A pure function of the clock (a batch ramp's is fractional). From
+    ``max_steps`` on (an extended run's later steps) it stays at ``min_ratio``.
+    ``legacy_warmup``: checkpoints from before the schedule kinds warmed up from
+    ``1 / warmup`` (step ``t`` at ``(t + 1) / warmup``); they resume on their own curve.
     """
 
+    kind: str
     warmup: int
     max_steps: int
     min_ratio: float
+    decay: int = 0
+    """wsd: steps of its decay, at the end of the horizon."""
+    legacy_warmup: bool = False
 
     def __call__(self, step: float) -> float:
         if step < self.warmup:
-            return min(1.0, (step + 1) / self.warmup)
+            if self.legacy_warmup:
+                return min(1.0, (step + 1) / self.warmup)
+            rise = step / self.warmup
+            return self.min_ratio + (1 - self.min_ratio) * rise if self.kind == "wsd" else rise
         if step >= self.max_steps:  # an extended run's later steps (also when warmup=max_steps)
             return self.min_ratio
-        progress = min(1.0, (step - self.warmup) / max(1, self.max_steps - self.warmup))
-        half_cos = 0.5 * (1.0 + math.cos(math.pi * progress))
+        if self.kind == "constant":
+            return 1.0
+        start = self.max_steps - self.decay if self.kind == "wsd" else self.warmup
+        if step < start:
+            return 1.0
+        progress = (step - start) / max(1, self.max_steps - start)
+        if self.kind == "linear":
+            left = 1.0 - progress
+        else:
+            left = 0.5 * (1.0 + math.cos(math.pi * progress))
         # min(): min_ratio + (1 - min_ratio) may round one ulp above 1.
-        return min(1.0, self.min_ratio + (1.0 - self.min_ratio) * half_cos)
+        return min(1.0, self.min_ratio + (1.0 - self.min_ratio) * left)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def WarmupCosine(warmup: int, max_steps: int, min_ratio: float) -> LRShape:  # noqa: N802
+    """A warm-up then a cosine to ``min_ratio`` (``--lr-schedule cosine``)."""
+    return LRShape("cosine", warmup, max_steps, min_ratio)
+
+
+def warmup_steps(warmup: int | float, horizon: int) -> int:
+    """``--warmup`` in steps: a whole number is steps, a value in (0, 1) a share of the
+    horizon, rounded up (transformers' ``get_warmup_steps``)."""
+    if isinstance(warmup, float) and 0 < warmup < 1:
+        return math.ceil(horizon * warmup)
+    return int(warmup)
+
+
+def decay_steps(ratio: float, horizon: int) -> int:
+    """``--decay-ratio`` in steps, rounded up (a ratio typed as steps / horizon gives those
+    steps back, whatever the float rounding)."""
+    return math.ceil(round(ratio * horizon, 9))
+
+
+def shape_of(cfg: Any, horizon: int) -> LRShape:
+    """The LR shape ``cfg`` asks for over ``horizon`` full-batch steps; ValueError when its
+    warm-up and decay do not fit in it."""
+    warm = warmup_steps(cfg.warmup, horizon)
+    if warm > horizon:
+        raise ValueError(
+            f"--warmup must be <= --max-steps ({horizon}), got {warm}: the learning rate "
+            "would never reach --lr (the schedule's length is --max-steps, wherever "
+            "--stop-after stops); pass a smaller --warmup, a share of the run (e.g. 0.1), or "
+            "leave it out"
+        )
+    decay = 0
+    if cfg.lr_schedule == "wsd":
+        decay = decay_steps(cfg.decay_ratio, horizon)
+        if warm + decay > horizon:
+            raise ValueError(
+                f"--lr-schedule wsd: the warm-up ({warm} steps) and the decay ({decay} "
+                f"steps, --decay-ratio {cfg.decay_ratio:g}) do not fit in the schedule's "
+                f"{horizon} steps; shorten one"
+            )
+    return LRShape(cfg.lr_schedule, warm, horizon, cfg.min_lr / cfg.lr, decay)
 
 
 @dataclass
@@ -68,11 +137,11 @@ class LRSchedule:
     ``lr`` is the peak, tuned for ``base_micro_batches`` per rank per step; ``scaling``
     (``none``/``linear``/``sqrt``, :func:`gradstep.scale_lr`) rescales it to the batch a
     step actually uses. Saved in checkpoints (``state_dict``) so a resume continues it: the
-    clock, and the horizon (``shape.max_steps``), which a resume with a larger
-    ``--max-steps`` keeps (the later steps run at the cosine's end, ``min_ratio``).
+    clock, and the shape with its horizon (``shape.max_steps``), which a resume with a
+    larger ``--max-steps`` keeps (the later steps run at the decay's end, ``min_ratio``).
     """
 
-    shape: WarmupCosine
+    shape: LRShape
     lr: float
     base_micro_batches: int
     scaling: str = "none"
@@ -109,18 +178,26 @@ class LRSchedule:
             self.trained += micro_batches * self.world
 
     def state_dict(self) -> dict[str, Any]:
-        return {"trained": self.trained, "full_step": self.full_step, "max_steps": self.horizon}
+        return {
+            "trained": self.trained,
+            "full_step": self.full_step,
+            "max_steps": self.horizon,
+            "shape": self.shape.to_json(),
+        }
 
     @property
     def horizon(self) -> int:
-        """The step (in full-batch steps) where the cosine reaches ``min_ratio``."""
+        """The step (in full-batch steps) where the decay reaches ``min_ratio``."""
         return self.shape.max_steps
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue a saved clock and horizon. The clock is rescaled to this run's unit: an
         exact global batch may be split into other micro-batches (another world size or
-        --micro-batch-size), a full step is still a full step. Checkpoints from before the
-        horizon was saved keep the one this schedule was built with."""
+        --micro-batch-size), a full step is still a full step. The saved shape is the one
+        the run continues (this schedule's, but for the horizon a resume keeps);
+        checkpoints from before the shape was saved ran a cosine whose warm-up started at
+        ``1 / warmup``, and those from before the horizon was saved keep the one this
+        schedule was built with."""
         if "trained" not in state:
             raise ValueError(
                 "scheduler state: this checkpoint holds a step-keyed LambdaLR state from an "
@@ -135,6 +212,10 @@ class LRSchedule:
                 f"{self.full_step}; resume with the checkpoint's batch layout"
             )
         self.trained = trained
+        if isinstance(state.get("shape"), dict):
+            self.shape = LRShape(**state["shape"])
+            return
+        self.shape = dataclasses.replace(self.shape, kind="cosine", decay=0, legacy_warmup=True)
         if "max_steps" in state:
             self.shape = dataclasses.replace(self.shape, max_steps=int(state["max_steps"]))
 
@@ -222,3 +303,70 @@ def ramp_windows(
     while (remaining := left()) > 0:
         yield [next(stream) for _ in range(min(remaining, ramp.micro_batches(step)))]
         step += 1
+
+
+def epoch_steps(epochs: float, epoch_length: Callable[[int], int], per_step: int) -> int:
+    """Optimizer steps of ``epochs`` passes over a stream whose epoch ``e`` holds
+    ``epoch_length(e)`` items, ``per_step`` items a step (over all ranks): the items of the
+    whole epochs, and the fraction's share of the next one, rounded up to whole steps."""
+    whole = math.floor(epochs)
+    items = sum(epoch_length(e) for e in range(whole))
+    if epochs > whole:
+        items += math.ceil(round((epochs - whole) * epoch_length(whole), 9))
+    return max(1, math.ceil(items / per_step))
+
+
+def run_length(cfg: Any, stream: Any, items_per_step: int, rows: int) -> tuple[Any, str | None]:
+    """``cfg`` with its ``--max-steps`` derived from ``--epochs`` (the line that says how),
+    or as it is. ``stream``: the run's training stream (``epoch_length``, ``epoch_rows``);
+    ``items_per_step``: its items one full step takes over all ranks, of ``rows`` rows
+    each. A resume derives the same steps (the same data, epochs and global batch)."""
+    if cfg.epochs is None:
+        return cfg, None
+    steps = epoch_steps(cfg.epochs, stream.epoch_length, items_per_step)
+    derived = dataclasses.replace(cfg, max_steps=steps)
+    per_epoch = stream.epoch_rows(0)
+    if rows > 1:
+        shape = f"{stream.epoch_length(0):,} micro-batches, the last of the rows left"
+    else:
+        shape = "one row each"
+    return derived, (
+        f"--epochs {cfg.epochs:g}: {per_epoch:,} sequences an epoch ({shape}), "
+        f"{items_per_step * rows:,} a step: max_steps {steps} (each epoch reshuffled; every "
+        "sequence of an epoch trains once, a step may end one epoch and begin the next)"
+    )
+
+
+def describe_schedule(schedule: LRSchedule) -> dict[str, Any]:
+    """The schedule the run follows, for summary.json: its shape in steps and its rates."""
+    shape = schedule.shape
+    return {
+        **shape.to_json(),
+        "peak_lr": schedule.lr,
+        "min_lr": schedule.lr * shape.min_ratio,
+        "warmup_start_lr": schedule.lr * shape(0.0),
+        "lr_scaling": schedule.scaling,
+    }
+
+
+def schedule_line(schedule: LRSchedule, stop: int | None = None) -> str:
+    """The start line: warm-up, shape, where the decay ends, where this invocation stops."""
+    shape, lr = schedule.shape, schedule.lr
+    floor = lr * shape.min_ratio
+    warm = "no warm-up"
+    if shape.warmup:
+        start = "1/warmup" if shape.legacy_warmup else f"{lr * shape(0.0):g}"
+        warm = f"warm-up {shape.warmup} steps from {start}"
+    if shape.kind == "constant":
+        after = f"then constant {lr:g}"
+    elif shape.kind == "wsd":
+        after = (
+            f"stable at {lr:g} until step {shape.max_steps - shape.decay}, then a cosine "
+            f"decay to {floor:g} at step {shape.max_steps}"
+        )
+    else:
+        after = f"then {shape.kind} decay from {lr:g} to {floor:g} at step {shape.max_steps}"
+    line = f"lr schedule: {warm}, {after}"
+    if stop is not None and stop < shape.max_steps:
+        line += f"; this invocation stops after step {stop} (--stop-after)"
+    return line

@@ -85,12 +85,12 @@ def check_train(
     return Checked(cfg, launch, given, info, _hf_config(cfg), horizon, tuple(notes))
 
 
-def check_plan(cfg: TrainConfig, launch: Launch) -> Checked:
+def check_plan(cfg: TrainConfig, launch: Launch, given: frozenset[str] = frozenset()) -> Checked:
     """The settings ``gradstep plan`` plans: what train would refuse, refused the same way,
-    and what the planner cannot plan."""
+    and what the planner cannot plan (``given``: as :func:`check_train`'s)."""
     check_run(cfg, launch, planning=True)
     settle_process(cfg, launch.device, planning=True)  # before anything is loaded
-    return Checked(cfg, launch, hf_config=_hf_config(cfg))
+    return Checked(cfg, launch, given, hf_config=_hf_config(cfg))
 
 
 def _hf_config(cfg: TrainConfig) -> Any:

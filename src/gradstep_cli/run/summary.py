@@ -13,6 +13,7 @@ import torch
 from gradstep import parallel
 from gradstep_cli.models.gpt import generate, generate_ids
 from gradstep_cli.models.hf import LogitsOnly
+from gradstep_cli.run.samples import decode
 
 __all__ = ["SAMPLE_PROMPT", "build", "existing", "final_losses", "show"]
 
@@ -81,11 +82,7 @@ def _sample(run: Any) -> str:
     sampler, text = LogitsOnly(model), SAMPLE_PROMPT.decode()
     prompt = list(SAMPLE_PROMPT) if tokenizer is None else tokenizer(text)["input_ids"]
     new = generate_ids(sampler, prompt, cfg.sample_tokens, 0.8, 40, gen, max_len=cfg.seq_len)
-    if tokenizer is None:  # bytes; an id past 255 (a larger vocabulary) is not one
-        return b"".join(bytes([i]) if i < 256 else b"\xff" for i in new).decode(
-            "utf-8", errors="replace"
-        )
-    return tokenizer.decode(new)
+    return decode(new, tokenizer)  # as --sample-prompts' samples are
 
 
 def _parameters(summary: dict[str, Any]) -> str:
@@ -94,6 +91,14 @@ def _parameters(summary: dict[str, Any]) -> str:
     if trainable == total:
         return f"{total:,} parameters, all trainable"
     return f"{total:,} parameters, {trainable:,} trainable ({100 * trainable / total:.2f}%)"
+
+
+def _throughput(summary: dict[str, Any]) -> str:
+    """Trained (target) tokens per second, and every position processed (prompt, padding)."""
+    text = f"{summary['train_tokens_per_s']:,.0f} trained tok/s"
+    if summary.get("processed_tokens_per_s") is not None:
+        text += f", {summary['processed_tokens_per_s']:,.0f} processed tok/s"
+    return text
 
 
 def _ranks(summary: dict[str, Any]) -> str:
@@ -109,7 +114,7 @@ def show(summary: dict[str, Any]) -> None:
     """The summary as the few lines printed at the end of a run."""
     print(
         f"\n{summary['steps']} steps in {summary['wall_time_s']:.1f}s "
-        f"({summary['train_tokens_per_s']:,.0f} tok/s while stepping), "
+        f"({_throughput(summary)} while stepping), "
         f"{_parameters(summary)}\n"
         f"effective batch: {summary['effective_batch_sequences']} sequences "
         f"({_ranks(summary)}), <= "
@@ -119,8 +124,30 @@ def show(summary: dict[str, Any]) -> None:
         f"train loss (last steps): {summary['final_train_loss']:.4f}\n"
         f"clipped steps: {summary['clipped_steps']}   skipped steps: {summary['skipped_steps']}"
     )
+    for line in _evaluation_lines(summary):
+        print(line)
     if summary["sample"]:
         print(f"--- sample ---\n{summary['sample_prompt']}{summary['sample']}\n--------------")
+
+
+def _evaluation_lines(summary: dict[str, Any]) -> list[str]:
+    """The last evaluation's accuracy and size, the best checkpoint, an early stop."""
+    lines = []
+    if summary.get("val_items") is not None:
+        lines.append(
+            f"val accuracy: {summary['final_val_accuracy']:.4f}   val entropy: "
+            f"{summary['final_val_entropy']:.4f}   scored: {summary['val_records']:,} "
+            f"records, {summary['val_items']:,} tokens"
+        )
+    best = summary.get("best")
+    if best and best.get("step") is not None:
+        lines.append(
+            f"best {best['metric']}: {best['value']:.4f} at step {best['step']} "
+            f"(checkpoints/{best['checkpoint']}: gradstep export RUN --best)"
+        )
+    if summary.get("stopped_early"):
+        lines.append(f"stopped early at step {summary['steps']} (--early-stopping-patience)")
+    return lines
 
 
 def existing(out: Path) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from gradstep_cli.config.settings import (
 )
 from gradstep_cli.models.gpt import GPT, GPTConfig
 from gradstep_cli.train import build_optimizer
-from tests.cli.test_lr_runs import TINY
+from tests.integration.cli.test_lr_runs import TINY
 from tests.support.batches import text_corpus
 
 

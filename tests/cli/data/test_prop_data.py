@@ -17,19 +17,16 @@ Properties (``k``: rows per stream item, ``--micro-batch-size`` with ``--accum-s
 with ``--global-batch``):
 
 * text documents: in each complete epoch (all ranks together; across the epoch boundary;
-  across a resume) every consecutive pair ``(doc[p], doc[p+1])`` is a target at most once,
+  across a resume) every consecutive pair ``(doc[p], doc[p+1])`` is a target exactly once,
   and no other pair ever is. The stream cuts each epoch's rows into micro-batches of ``k``
-  rows and drops the incomplete last one: the pairs of at most ``k - 1`` rows of that
-  epoch may be missing, i.e. at most ``k - 1`` runs of consecutive positions of one
-  document, at most ``(k - 1) * seq_len`` pairs in all; with ``k = 1`` (``--global-batch``)
-  every pair is trained exactly once per epoch. Every row is one contiguous piece of one
-  document of at most ``seq_len`` targets.
+  rows, the last one holding the rows left (fewer when they do not divide), so nothing of
+  an epoch is dropped. Every row is one contiguous piece of one document of at most
+  ``seq_len`` targets.
 * prompt/completion records: no prompt token is ever a target; a record is one row whose
   targets are all of its completion's tokens (each predicted from the token before it,
   the first from the prompt's last), so in each complete epoch each record that fits (its
-  completion at most ``seq_len`` bytes, docs/demo.md "Too long") is trained exactly once
-  (or, with ``k > 1``, at most ``k - 1`` whole records are missing); a record whose
-  completion does not fit is never trained.
+  completion at most ``seq_len`` bytes, docs/guide/cli.md "Too long") is trained exactly once; a
+  record whose completion does not fit is never trained.
 """
 
 from __future__ import annotations
@@ -124,14 +121,15 @@ def _where(pieces: list[Piece], target: int) -> tuple[int, int] | None:
 
 
 class _Tagged(Iterator[Any]):
-    """The rank's stream, recording the epoch each item it yields belongs to."""
+    """The rank's stream, recording the epoch of each row of the items it yields."""
 
     def __init__(self, stream: TrainBatches) -> None:
         self.stream, self.tags = stream, []
 
     def __next__(self) -> Any:
         item = next(self.stream)
-        self.tags.append(int(self.stream.state_dict()["epoch"]))
+        epoch = int(self.stream.state_dict()["epoch"])
+        self.tags += [epoch] * len(item["input_ids"])  # an epoch's last item may be short
         return item
 
 
@@ -182,11 +180,10 @@ def trained_rows(
         for rank in range(world):
             pulled = len(streams[rank].tags)
             window = next(gens[rank])
-            tags = streams[rank].tags[pulled:]  # the items this window took, in order
+            tags = streams[rank].tags[pulled:]  # the rows this window took, in order
             rows = [row for mb in window for row in zip(mb["input_ids"], mb["labels"], strict=True)]
-            per_item = layout.stream_rows
-            assert len(rows) == len(tags) * per_item, (len(rows), len(tags), per_item)
-            out += [(tags[i // per_item], ids, lab) for i, (ids, lab) in enumerate(rows)]
+            assert len(rows) == len(tags), (len(rows), len(tags))
+            out += [(tags[i], ids, lab) for i, (ids, lab) in enumerate(rows)]
         step += 1
     return out, layout.stream_rows
 
@@ -278,12 +275,7 @@ def test_every_consecutive_pair_of_a_document_trains_once_per_epoch(
         assert not twice, (epoch, "pairs trained more than once", twice)
         missing = sorted(expected - set(counts))
         runs = [r for run_ in _runs(missing) for r in _split_by_doc(docs, run_)]
-        assert len(runs) <= per_item - 1, (
-            epoch,
-            per_item,
-            [(_where(docs, r[0]), len(r)) for r in runs],
-        )
-        assert len(missing) <= (per_item - 1) * batch["seq_len"], (epoch, len(missing))
+        assert not missing, (epoch, per_item, [(_where(docs, r[0]), len(r)) for r in runs])
 
 
 @settings(max_examples=EXAMPLES)
@@ -298,7 +290,7 @@ def test_every_completion_token_trains_once_per_epoch_and_no_prompt_token_does(
     batch, world = run["batch"], run["world"]
     seq = batch["seq_len"] = max(batch["seq_len"], 2)
     k = 1 if batch["rows"] else batch["mbs"]
-    fits = [c <= seq for _, c in records]  # docs/demo.md: "Too long" (its completion)
+    fits = [c <= seq for _, c in records]  # docs/guide/cli.md: "Too long" (its completion)
     # Every rank needs a micro-batch of k rows in every epoch (else: a DataError).
     assume(sum(fits) >= k * max(world, run["world2"]))
     lengths = [p + c for p, c in records] + text_records
@@ -338,4 +330,4 @@ def test_every_completion_token_trains_once_per_epoch_and_no_prompt_token_does(
         twice = {i: n for i, n in counts.items() if i < len(recs) and n > 1}
         assert not twice, (epoch, "records trained more than once", twice)
         missing = [i for i in range(len(recs)) if fits[i] and not counts[i]]
-        assert len(missing) <= per_item - 1, (epoch, per_item, missing)
+        assert not missing, (epoch, per_item, missing)

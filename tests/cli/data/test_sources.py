@@ -199,7 +199,7 @@ def test_a_tenth_held_out_is_the_files_it_always_was(name: str) -> None:
 def test_the_split_holds_out_the_hashed_share_clamped_never_the_inverse(
     n: int, copies: int, fraction: float, prefix: str
 ) -> None:
-    """V5, the rule of docs/demo.md ("The validation split"): a distinct key is held out when
+    """V5, the rule of docs/guide/cli.md ("The validation split"): a distinct key is held out when
     its hash unit is below the fraction, the count clamped to [1, keys - 1]; fewer than two
     keys cannot be split. Copies land together, and the split is deterministic."""
     keys = [f"{prefix}record {i}" for i in range(n) for _ in range(copies)]

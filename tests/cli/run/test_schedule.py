@@ -13,17 +13,24 @@ from hypothesis import strategies as st
 from gradstep import scale_lr
 from gradstep_cli.config.settings import LR_SCALINGS, ConfigError, TrainConfig
 from gradstep_cli.data.batching import layout_for
-from gradstep_cli.run.schedule import GNS_PATIENCE, BatchRamp, LRSchedule, WarmupCosine, parse_ramp
+from gradstep_cli.run.schedule import (
+    GNS_PATIENCE,
+    BatchRamp,
+    LRSchedule,
+    LRShape,
+    WarmupCosine,
+    parse_ramp,
+)
 
 LR = 3e-3
 
 
 def reference_factor(clock: float, warmup: int, horizon: int, min_ratio: float) -> float:
-    """The schedule's multiplier written out plainly: a linear warm-up that reaches 1 at
-    clock ``warmup - 1`` and stays there until ``warmup``, then a cosine to ``min_ratio``
-    at ``horizon``, then flat."""
+    """The schedule's multiplier written out plainly: a linear warm-up from 0 that reaches 1
+    at clock ``warmup`` (transformers' convention), then a cosine to ``min_ratio`` at
+    ``horizon``, then flat."""
     if clock < warmup:
-        return min(1.0, (clock + 1) / warmup)
+        return clock / warmup
     if clock >= horizon:
         return min_ratio
     progress = (clock - warmup) / (horizon - warmup)
@@ -75,8 +82,8 @@ def divisors(n: int, limit: int = 4) -> list[int]:
 
 def test_warmup_cosine_schedule() -> None:
     schedule = WarmupCosine(warmup=4, max_steps=20, min_ratio=0.1)
-    assert schedule(0) == pytest.approx(0.25)
-    assert schedule(3) == pytest.approx(1.0)
+    assert schedule(0) == 0.0  # from 0, as transformers' warm-ups
+    assert schedule(3) == pytest.approx(0.75)
     assert schedule(4) == pytest.approx(1.0)
     assert schedule(12) == pytest.approx(0.55)
     assert schedule(20) == pytest.approx(0.1) and schedule(50) == pytest.approx(0.1)
@@ -96,8 +103,8 @@ def test_the_lr_never_exceeds_lr_times_the_stated_scaling(p: dict) -> None:
         clock = taken_global / (p["accum"] * p["world"])
         ref = peak * reference_factor(clock, p["warmup"], p["max_steps"], p["min_ratio"])
         assert math.isclose(lr, ref, rel_tol=1e-12, abs_tol=1e-300), (lr, ref, clock)
-        low = min(p["min_ratio"], 1 / p["warmup"] if p["warmup"] else 1.0)
-        assert lr >= peak * low * (1 - 1e-12)  # never a dead step either
+        if clock >= p["warmup"]:  # after the warm-up (which starts at 0): never below min_lr
+            assert lr >= peak * p["min_ratio"] * (1 - 1e-12)
         schedule.advance(k, taken)
         if not taken:  # a skipped step trained on nothing: the next one has the same LR
             assert schedule.lr_for(k) == lr
@@ -208,6 +215,20 @@ def test_the_state_carries_the_horizon_and_old_states_keep_the_built_one() -> No
     old = LRSchedule(WarmupCosine(1, 8, 0.1), LR, 2)
     old.load_state_dict({"trained": 8})  # a checkpoint from before the horizon was saved
     assert old.horizon == 8 and old.clock == 4.0
+
+
+def test_a_checkpoint_from_before_the_shapes_keeps_its_warmup_from_one_step() -> None:
+    """Checkpoints without a saved shape ran a cosine whose warm-up started at lr / warmup
+    (step t at (t + 1) / warmup): a resume mid-warm-up continues that curve, whatever
+    --lr-schedule the new defaults would pick."""
+    built = LRSchedule(LRShape("linear", 4, 20, 0.0), LR, 1)
+    built.load_state_dict({"trained": 1, "full_step": 1, "max_steps": 20})
+    assert built.shape == LRShape("cosine", 4, 20, 0.0, legacy_warmup=True)
+    assert built.lr_for(1) == pytest.approx(LR * 2 / 4)  # step 1 of 4: (1 + 1) / 4
+    new = LRSchedule(LRShape("wsd", 2, 20, 0.1, decay=5), LR, 1)
+    twin = LRSchedule(LRShape("cosine", 0, 20, 0.0), LR, 1)
+    twin.load_state_dict(new.state_dict())  # a saved shape is the one that continues
+    assert twin.shape == new.shape
 
 
 def test_without_a_ramp_the_schedule_is_the_step_keyed_one_exactly():

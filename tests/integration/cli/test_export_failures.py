@@ -36,7 +36,7 @@ from gradstep_cli.cli import main  # noqa: E402
 from gradstep_cli.export import folder as export_folder  # noqa: E402
 from gradstep_cli.export import run as export_module  # noqa: E402
 from tests.checkpoint.test_prune_and_verify import _rewrite_manifest  # noqa: E402
-from tests.cli.test_export import RANK, base_dir, train  # noqa: E402
+from tests.integration.cli.test_export import RANK, base_dir, train  # noqa: E402
 
 ADAPTER_FILES = {"adapter_config.json", "adapter_model.safetensors", "gradstep_export.json"}
 

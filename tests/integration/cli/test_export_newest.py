@@ -1,8 +1,8 @@
 """`gradstep export RUN_DIR --out OUT` without ``--step`` writes the newest checkpoint that
 verifies, whatever is wrong with the newer ones.
 
-A tiny local Llama run (tests/cli/test_export.py's ``train``) saves a checkpoint at every
-one of its 4 steps, keeping all 4; each (full fine-tuning, and LoRA adapters) trains once.
+A tiny local Llama run (``train`` of tests/integration/cli/test_export.py) saves a checkpoint
+at every one of its 4 steps, keeping all 4; each (full fine-tuning, and LoRA adapters) trains once.
 Each example copies the run and damages some of its checkpoints the ways disks and people
 do (a file truncated, one bit of a file flipped, the manifest deleted; any file of the
 folder, the manifest and the files export never reads included), then exports.
@@ -33,7 +33,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 from gradstep.checkpoint import MANIFEST  # noqa: E402
 from gradstep_cli.cli import main  # noqa: E402
-from tests.cli.test_export import train  # noqa: E402
+from tests.integration.cli.test_export import train  # noqa: E402
 
 STEPS = (1, 2, 3, 4)
 EVERY_STEP = ["--max-steps", "4", "--save-every", "1", "--keep-checkpoints", "4"]

@@ -15,8 +15,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 from gradstep_cli.cli import main  # noqa: E402
-from tests.checkpoint.ranks import cli_rank  # noqa: E402
-from tests.cli.test_export import (  # noqa: E402
+from tests.checkpoint.cli_ranks import cli_rank  # noqa: E402
+from tests.integration.cli.test_export import (  # noqa: E402
     FLAGS,
     _refused,
     auto_model,

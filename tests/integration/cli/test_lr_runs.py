@@ -2,7 +2,7 @@
 
 - With a batch ramp the warm-up never pushes the LR above --lr (rows N33-N36).
 - Extending a run (--resume --max-steps N after a shorter run) keeps the checkpoint's
-  schedule as docs/demo.md says: the cosine ends at the checkpoint's max_steps and later
+  schedule as docs/guide/cli.md says: the cosine ends at the checkpoint's max_steps and later
   steps run at --min-lr; the steps both runs share are the uninterrupted run's (row N96).
 - A resume with a new --max-steps and no --warmup runs the checkpoint's warm-up
   (hf-client-2, CLI table: it was refused on the default --warmup 20).

@@ -10,7 +10,7 @@ import pytest
 
 from gradstep_cli.cli import main
 from gradstep_cli.config.settings import GPT_SHAPE
-from tests.cli.test_lr_runs import TINY
+from tests.integration.cli.test_lr_runs import TINY
 from tests.support.batches import text_corpus
 
 

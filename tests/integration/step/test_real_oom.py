@@ -48,7 +48,7 @@ def test_a_real_out_of_memory_splits_the_window_and_keeps_the_update():
             capture_output=True,
             text=True,
             timeout=170,
-            cwd=CHILD.parents[2],
+            cwd=CHILD.parents[3],
             env=env,
         )
         # Under a hard address-space cap native code (a thread's stack, a C++ allocation

@@ -1,0 +1,77 @@
+"""After a crash and a resume, metrics.jsonl holds each step once (issue 30 §4; the walk found
+steps 71-78 twice after a SIGKILL at 78 and a resume from 70 of a run begun from another
+folder's checkpoint): the file is cut back to the checkpoint's step by the steps its records
+name, in the run's own folder and in a new one."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gradstep_cli.cli import main as gradstep_main
+from tests.support.batches import text_corpus
+
+TOY = [
+    "--device", "cpu", "--n-layer", "1", "--n-head", "2", "--d-model", "16", "--seq-len", "16",
+    "--micro-batch-size", "2", "--accum-steps", "2", "--eval-batches", "1", "--eval-every", "0",
+    "--sample-tokens", "0", "--log-every", "1",
+]  # fmt: skip
+
+
+def windows(out: Path) -> list[int]:
+    text = (out / "metrics.jsonl").read_text()
+    return [json.loads(line)["window"] for line in text.splitlines() if line.endswith("}")]
+
+
+def run_until_killed(args: list[str], out: Path, after: int) -> None:
+    """Start ``gradstep train ARGS`` and SIGKILL it once ``after`` steps are logged and a
+    checkpoint exists (mid-run, as the walk did)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gradstep", "train", *args],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            logged = out / "metrics.jsonl"
+            enough = logged.exists() and len(logged.read_text().splitlines()) >= after
+            if enough and any((out / "checkpoints").glob("step-*")):
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, "the run ended before it could be killed"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.mark.timeout(600)
+def test_each_step_is_logged_once_after_a_sigkill_and_resumes(tmp_path: Path) -> None:
+    corpus = text_corpus(tmp_path / "data")
+    first = tmp_path / "first"
+    base = [*TOY, "--data", str(corpus), "--save-every", "4", "--keep-checkpoints", "10"]
+    assert gradstep_main(["train", *base, "--max-steps", "8", "--out", str(first)]) == 0
+    # Another folder, from the first run's step-8 checkpoint: killed after its step 8 + 10.
+    other = tmp_path / "other"
+    long = ["--max-steps", "100000"]
+    resume = ["--resume", str(first / "checkpoints" / "step-000008")]
+    run_until_killed([*base, *resume, *long, "--out", str(other)], other, after=10)
+    logged = windows(other)
+    assert logged[0] == 9 and len(logged) >= 10, logged
+    saved = max(int(p.name.split("-")[1]) for p in (other / "checkpoints").glob("step-*"))
+    assert saved < logged[-1], (saved, logged)  # steps after the checkpoint are run again
+    end = logged[-1] + 3
+    assert gradstep_main(["train", "--out", str(other), "--resume", "--max-steps", str(end)]) == 0
+    assert windows(other) == list(range(9, end + 1))
+    # A third folder from the killed one's checkpoints: its own steps, each once.
+    third = tmp_path / "third"
+    again = ["train", "--resume", str(other), "--out", str(third), "--max-steps", str(end + 2)]
+    assert gradstep_main(again) == 0
+    assert windows(third) == list(range(end + 1, end + 3))
