@@ -915,7 +915,7 @@ MUTATIONS = [
                 "        return first_copy(t)",
             )
         ],
-        "tests",
+        "tests/parallel",
     ),
     m(
         "H2",
@@ -927,14 +927,15 @@ MUTATIONS = [
                 "return self.all_reduce_sum(mine.reshape(1)",
             )
         ],
-        "tests",
+        "tests/parallel",
     ),
     m(
         "H3",
         "HSDP mesh built (shard, replicate) instead of (replicate=R, shard=W/R)",
         "gradstep/parallel/layouts.py",
         [("        shape = (hsdp, world // hsdp)", "        shape = (world // hsdp, hsdp)")],
-        "tests",
+        "tests/parallel tests/demo/test_mesh_flags.py tests/demo/test_mesh_runs.py "
+        "tests/demo/test_resume_same_layout.py",
     ),
     m(
         "H4",
@@ -946,7 +947,7 @@ MUTATIONS = [
                 "        self.norm_weight = 1.0",
             )
         ],
-        "tests",
+        "tests/parallel tests/test_early_norm.py tests/test_prop_norms.py",
     ),
     m(
         "H5",
@@ -958,7 +959,7 @@ MUTATIONS = [
                 "    return CountPlan(counts, reduced[0] / n)",
             )
         ],
-        "tests",
+        "tests/test_aux.py tests/hf/test_aux.py tests/test_prop_counts.py tests/parallel",
     ),
     m(
         "H6",
@@ -970,7 +971,7 @@ MUTATIONS = [
                 "aux = {name: s / n for name, s in zip(",
             )
         ],
-        "tests",
+        "tests/test_aux.py tests/hf/test_aux.py tests/test_prop_counts.py tests/parallel",
     ),
     m(
         "H7",
@@ -983,7 +984,7 @@ MUTATIONS = [
                 "        missing = not self.parts  # usually none: no loop",
             )
         ],
-        "tests",
+        "tests/test_early_norm.py tests/test_prop_norms.py tests/test_stepper.py tests/parallel",
     ),
     m(
         "H8",
@@ -996,7 +997,7 @@ MUTATIONS = [
                 "self.parts.setdefault(self.order[id(param)], norm32(grad, self.norm_type))",
             )
         ],
-        "tests",
+        "tests/test_early_norm.py tests/test_prop_norms.py tests/test_stepper.py tests/parallel",
     ),
     m(
         "H9",
@@ -1008,7 +1009,7 @@ MUTATIONS = [
                 "self._agree_first",
             )
         ],
-        "tests",
+        "tests/parallel tests/test_stepper.py tests/test_aux.py",
     ),
     m(
         "H10",
@@ -1021,7 +1022,8 @@ MUTATIONS = [
                 "and self.failed_rows < 1",
             )
         ],
-        "tests",
+        "tests/test_oom.py tests/test_held_out_oom.py tests/test_stepper.py "
+        "tests/memory/test_real_oom.py tests/parallel/test_tp_extras.py",
     ),
     m(
         "H11",
@@ -1033,7 +1035,8 @@ MUTATIONS = [
                 "micro_batches = halve(micro_batches, self.split_fn, self.halvings)",
             )
         ],
-        "tests",
+        "tests/test_oom.py tests/test_held_out_oom.py tests/test_stepper.py "
+        "tests/memory/test_real_oom.py tests/parallel/test_tp_extras.py",
     ),
     m(
         "H12",
@@ -1046,7 +1049,7 @@ MUTATIONS = [
                 '        reducer = getattr(self, "reducer", None)',
             )
         ],
-        "tests",
+        "tests/test_held_out_oom.py tests/test_oom.py tests/parallel",
     ),
     m(
         "H13",
@@ -1058,7 +1061,8 @@ MUTATIONS = [
                 "elastic_accum_steps(int(self.accum_steps), self.world_size, world_size)",
             )
         ],
-        "tests",
+        "tests/checkpoint tests/demo/test_mesh_runs.py tests/demo/test_resume_same_layout.py "
+        "tests/demo/test_settings_run_folders.py tests/parallel/test_tp_extras.py",
     ),
     m(
         "H14",
@@ -1070,7 +1074,8 @@ MUTATIONS = [
                 '"global_batch": None if k is None or mbs is None else k * world * mbs,',
             )
         ],
-        "tests",
+        "tests/checkpoint tests/demo/test_mesh_runs.py tests/demo/test_resume_same_layout.py "
+        "tests/parallel/test_tp_extras.py",
     ),
     m(
         "H15",
@@ -1082,7 +1087,11 @@ MUTATIONS = [
                 "    size = world if info is None else int(info.shard_process_group.size())",
             )
         ],
-        "tests",
+        # every test that saves an FSDP2 model with a Checkpointer given no dp_size (the demo
+        # passes its own); not tests/parallel/test_multinode.py (CLI runs, and flaky under load)
+        "tests/checkpoint tests/parallel/test_mesh_sizes.py tests/parallel/test_tp_extras.py "
+        "tests/hf/test_parallel.py tests/optim/test_distributed.py tests/demo/test_mesh_runs.py "
+        "tests/demo/test_resume_same_layout.py",
     ),
     m(
         "H16",
@@ -1096,7 +1105,7 @@ MUTATIONS = [
                 "            except OSError:",
             )
         ],
-        "tests",
+        "tests/checkpoint tests/demo/test_export_failures.py tests/demo/test_export_newest.py",
     ),
     m(
         "H17",
@@ -1109,7 +1118,7 @@ MUTATIONS = [
                 "            return fd\n",
             )
         ],
-        "tests",
+        "tests/checkpoint tests/demo/test_export_failures.py tests/demo/test_export_newest.py",
     ),
     m(
         "H18",
@@ -1121,7 +1130,7 @@ MUTATIONS = [
                 "        if not (path / MANIFEST).exists():",
             )
         ],
-        "tests",
+        "tests/checkpoint tests/demo/test_export_failures.py tests/demo/test_export_newest.py",
     ),
     m(
         "H19",
@@ -1135,7 +1144,7 @@ MUTATIONS = [
                 "            return super().find_class(module, name)",
             )
         ],
-        "tests",
+        "tests/checkpoint tests/hf/test_parallel.py",
     ),
     m(
         "H20",
@@ -1143,7 +1152,7 @@ MUTATIONS = [
         "keys (copies: nothing left to train)",
         "gradstep_demo/data.py",
         [("    elif len(held) == len(units):", "    elif len(held) == len(keys):")],
-        "tests",
+        "tests/demo",
     ),
     m(
         "H21",
@@ -1155,7 +1164,7 @@ MUTATIONS = [
                 "    if len(read.records) < 2:",
             )
         ],
-        "tests",
+        "tests/demo",
     ),
     m(
         "H22",
@@ -1168,7 +1177,7 @@ MUTATIONS = [
                 '        position = int(state["index"]) - self.rank',
             )
         ],
-        "tests",
+        "tests/demo tests/checkpoint",
     ),
     m(
         "H23",
@@ -1180,7 +1189,7 @@ MUTATIONS = [
                 "    return rank % cfg.tp, world // cfg.tp",
             )
         ],
-        "tests",
+        "tests/demo tests/parallel/test_mesh_sizes.py",
     ),
     m(
         "H24",
@@ -1192,7 +1201,7 @@ MUTATIONS = [
                 "run_folder.resumed_settings(cfg, info, given, env.world_size)",
             )
         ],
-        "tests",
+        "tests/demo tests/checkpoint/test_elastic_cli.py",
     ),
     m(
         "H25",
@@ -1204,7 +1213,7 @@ MUTATIONS = [
                 "        if total + size > max_bytes:\n            break",
             )
         ],
-        "tests",
+        "tests/demo",
     ),
     m(
         "H26",
@@ -1216,7 +1225,7 @@ MUTATIONS = [
                 "    paths = [p for p in matches if not p.is_dir()]",
             )
         ],
-        "tests",
+        "tests/demo",
     ),
     m(
         "H27",
@@ -1228,7 +1237,7 @@ MUTATIONS = [
                 "    if isinstance(exc, jinja.SecurityError):",
             )
         ],
-        "tests",
+        "tests/demo",
     ),
     m(
         "H28",
@@ -1241,7 +1250,9 @@ MUTATIONS = [
                 "            except FileNotFoundError:\n                continue",
             )
         ],
-        "tests",
+        "tests/demo/test_export_failures.py tests/demo/test_export_newest.py "
+        "tests/demo/test_export.py tests/demo/test_export_runs.py "
+        "tests/checkpoint/test_lease.py",
     ),
     m(
         "H29",
@@ -1253,7 +1264,9 @@ MUTATIONS = [
                 "pass",
             )
         ],
-        "tests",
+        "tests/demo/test_export_failures.py tests/demo/test_export_newest.py "
+        "tests/demo/test_export.py tests/demo/test_export_runs.py "
+        "tests/checkpoint/test_lease.py",
     ),
     m(
         "H30",
@@ -1266,7 +1279,8 @@ MUTATIONS = [
                 "    except PermissionError:  # another user's process\n        return False",
             )
         ],
-        "tests",
+        "tests/demo/test_export_folder.py tests/demo/test_export_failures.py "
+        "tests/demo/test_export_newest.py tests/demo/test_export.py tests/demo/test_export_runs.py",
     ),
     m(
         "H31",
@@ -1278,7 +1292,7 @@ MUTATIONS = [
                 '        handle = open(lock, "w+")  # noqa: SIM115 - held open for the whole run',
             )
         ],
-        "tests",
+        "tests/demo",
     ),
     m(
         "H32",
@@ -1290,7 +1304,7 @@ MUTATIONS = [
                 "        if _holds_metrics(parent) and _has_checkpoints(parent):",
             )
         ],
-        "tests",
+        "tests/demo",
     ),
     m(
         "H33",
@@ -1303,7 +1317,7 @@ MUTATIONS = [
                 "if (out / name).exists()",
             )
         ],
-        "tests",
+        "tests/demo",
     ),
     m(
         "H34",
@@ -1315,7 +1329,8 @@ MUTATIONS = [
                 "    return shape, world // max(tp, own or 1)",
             )
         ],
-        "tests",
+        "tests/memory tests/demo/test_plan.py tests/demo/test_plan_cli.py "
+        "tests/demo/test_mesh_runs.py",
     ),
     m(
         "H35",
@@ -1327,7 +1342,8 @@ MUTATIONS = [
                 "            out += [(3 * d // t,), (d // t,), (f // t,), (d // t,)]",
             )
         ],
-        "tests",
+        "tests/memory tests/demo/test_plan.py tests/demo/test_plan_cli.py "
+        "tests/demo/test_mesh_runs.py",
     ),
     m(
         "H36",
@@ -1339,7 +1355,8 @@ MUTATIONS = [
                 "f = shape.ffn  # the MLP's hidden width",
             )
         ],
-        "tests",
+        "tests/memory tests/demo/test_plan.py tests/demo/test_plan_cli.py "
+        "tests/demo/test_mesh_runs.py",
     ),
 ]
 
