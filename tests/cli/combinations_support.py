@@ -61,8 +61,15 @@ BUDGET = "2GiB"  # far above what the tiny model needs: the plan never has to sq
 SEED = 0
 # metrics.jsonl fields that measure the machine, not the step: a resumed run differs there.
 VOLATILE = frozenset(
-    {"tokens_per_s", "step_time_s", "elapsed_s", "peak_memory_mb", "memory_source",
-     "processed_tokens_per_s", "rss_mb"}
+    {
+        "tokens_per_s",
+        "step_time_s",
+        "elapsed_s",
+        "peak_memory_mb",
+        "memory_source",
+        "processed_tokens_per_s",
+        "rss_mb",
+    }
     | {"planned_peak_mb"}
 )
 RUN_TIMEOUT_S = 240

@@ -9,6 +9,11 @@ block), and the embedding (16x8) and final norm are sharded over those 2 only (7
 per rank, against 308 for plain FSDP2 over 4 ranks and 616 over 2. HSDP over 4 ranks in
 2 replicas is FSDP2 over 2 ranks, byte for byte, and HSDP + tensor parallel over 8 ranks in 2
 replicas is FSDP2 + tensor parallel over 4.
+
+On 2 gloo ranks, the demo GPT given linear biases and laid out by
+``prepare_model(layout=Layout(tp=2))`` with the demo's plan holds on each rank what the model
+counts with ``linear_bias=True``:
+the column-wise layers' biases split over the tp ranks, the row-wise layers' whole.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from gradstep.memory import HFShape, TransformerShape, estimate_step_memory
 from gradstep.memory.activations import _Bytes
 from gradstep.memory.model import per_token_terms
 from gradstep.parallel import Layout
+from gradstep_cli.models.gpt import GPTConfig
+from gradstep_cli.plan.estimate import gpt_shape
 
 TINY = TransformerShape(n_layer=2, d_model=8, n_head=2, vocab_size=16, seq_len=4, d_ff=16)
 P, F32 = 1232, 4
@@ -94,6 +101,46 @@ def test_more_tensor_parallel_ranks_never_need_more_memory_per_rank(
     for part in ("params", "grads", "optimizer", "activations", "unsharded_block"):
         assert getattr(two, part) <= getattr(one, part), part
     assert two.total < one.total
+
+
+BIASED = GPTConfig(vocab_size=32, n_layer=2, n_head=4, d_model=16, max_seq_len=16)
+LINEARS = (("attn", "qkv"), ("attn", "proj"), ("mlp", "fc"), ("mlp", "proj"))
+
+
+def _biased_tp_rank(rank: int, world: int) -> dict[str, object]:
+    """The demo GPT with a bias on every linear of its blocks, under the demo's tensor
+    parallel plan over every rank: the numbers this rank holds, and its bias shapes."""
+    import torch
+
+    from gradstep.parallel import prepare_model
+    from gradstep_cli.models.gpt import GPT
+    from gradstep_cli.models.parallel_plan import gpt_tp_plan
+
+    torch.manual_seed(0)
+    model = GPT(BIASED)
+    for block in model.blocks:
+        for part, name in LINEARS:
+            owner = getattr(block, part)
+            old = getattr(owner, name)
+            setattr(owner, name, torch.nn.Linear(old.in_features, old.out_features, bias=True))
+    model = prepare_model(model, "fsdp", layout=Layout(tp=world), tp_plan=gpt_tp_plan())
+    local = {n: tuple(p.to_local().shape) for n, p in model.named_parameters()}
+    biases = {f"{part}.{name}": local[f"blocks.0.{part}.{name}.bias"] for part, name in LINEARS}
+    return {"numel": sum(p.to_local().numel() for p in model.parameters()), "biases": biases}
+
+
+@pytest.mark.distributed
+def test_a_tensor_parallel_rank_holds_what_the_model_counts_linear_biases_included() -> None:
+    from tests.support.multiproc import run_ranks
+
+    tp, d, f = 2, BIASED.d_model, BIASED.mlp_ratio * BIASED.d_model
+    shape = dataclasses.replace(gpt_shape(BIASED), linear_bias=True)
+    layout = Layout(tp=tp)
+    modelled = estimate_step_memory(shape, 1, world_size=tp, sharded=True, layout=layout).params
+    modelled //= F32
+    want = {"attn.qkv": (3 * d // tp,), "attn.proj": (d,), "mlp.fc": (f // tp,), "mlp.proj": (d,)}
+    for rank, got in enumerate(run_ranks(_biased_tp_rank, tp, timeout=120)):
+        assert got == {"numel": modelled, "biases": want}, rank
 
 
 @pytest.mark.parametrize(

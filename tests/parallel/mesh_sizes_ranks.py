@@ -11,16 +11,23 @@ The model, data, optimizer, clip and per-step record are tests/parallel/layout_r
   dp_shard=1).
 
 (dp_shard=2, tp=2) and (dp_replicate=2, dp_shard=2) are test_prepare_layouts.py's.
+
+After its steps each layout is saved by a plain ``Checkpointer`` (no ``dp_size`` given: it
+reads the data-parallel ranks off the model) into ``folder/NAME``.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from gradstep.parallel import Layout
 from tests.parallel import layout_ranks as lr
 
 STEPS = 2
+ROWS = 2
+"""``micro_batch_size`` given to the Checkpointer: the manifest's global batch is
+``K x data-parallel ranks x ROWS``."""
 
 
 def layouts(world: int) -> dict[str, Layout]:
@@ -34,8 +41,10 @@ def data_ranks(layout: Layout, world: int) -> int:
     return layout.resolve(world).dp_size
 
 
-def mesh_sizes_run(rank: int, world: int) -> dict[str, Any]:
-    """Each layout of :func:`layouts`: STEPS steps, every step's stats and parameters."""
+def mesh_sizes_run(rank: int, world: int, folder: str) -> dict[str, Any]:
+    """Each layout of :func:`layouts`: STEPS steps, every step's stats and parameters, then
+    a checkpoint of the model in ``folder/NAME``."""
+    from gradstep import Checkpointer
     from gradstep.parallel import prepare_model
     from gradstep_cli.models.parallel_plan import gpt_tp_plan
 
@@ -47,4 +56,7 @@ def mesh_sizes_run(rank: int, world: int) -> dict[str, Any]:
         data_rank = layout.data_rank(rank)  # the mesh is row-major, tp innermost
         windows = [per_rank[data_rank] for per_rank in lr.data(dp)[:STEPS]]
         out[name] = lr._train(model, windows)
+        Checkpointer(Path(folder, name), accum_steps=lr.K, micro_batch_size=ROWS).save(
+            STEPS, model=model
+        )
     return out

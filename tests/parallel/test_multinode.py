@@ -204,8 +204,11 @@ def test_a_worker_killed_under_max_restarts_resumes_bit_identically(
     assert (int(killed_rank), int(killed_at)) == (rank, KILL_AT)
     assert re.search(rf"exitcode: -9\) local_rank: \d+ \(pid: {pid}\)", log), log
     # ... and restarted the group, which resumed from the newest checkpoint (once: no
-    # failed restart), not from scratch.
-    assert log.count("failed (exitcode") == 1, log
+    # failed restart), not from scratch. The other node's worker may see its peer die
+    # in a collective and exit 1 before its agent hears of the restart (a race of the
+    # two agents, seen in CI): that failure is of the first round, so at most one more.
+    assert log.count("exitcode: -9)") == 1, log
+    assert log.count("failed (exitcode") in (1, 2), log
     assert log.count(f"resumed from {out / 'checkpoints'}/step-{RESUMED_AT:06d}") == 1, log
     _assert_same_run(out, one_node, tmp_path)
 

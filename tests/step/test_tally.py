@@ -332,9 +332,7 @@ def test_named_slots_read_back_what_each_part_put_in(sizes: list[int]) -> None:
     (a number for a one-entry part, a list otherwise), whatever the parts' sizes."""
     from gradstep.step.tally import Slots
 
-    parts = {
-        f"p{i}": torch.arange(n, dtype=torch.float64) + 10 * i for i, n in enumerate(sizes)
-    }
+    parts = {f"p{i}": torch.arange(n, dtype=torch.float64) + 10 * i for i, n in enumerate(sizes)}
     got = Slots.of(parts).read(torch.cat(list(parts.values())).tolist())
     assert list(got) == list(parts)
     for name, part in parts.items():

@@ -196,6 +196,7 @@ def test_a_tenth_held_out_is_the_files_it_always_was(name: str) -> None:
 )
 @example(n=300, copies=1, fraction=0.999, prefix="x")  # V5: every record hashes below
 @example(n=5, copies=2, fraction=1e-4, prefix="")  # none does
+@example(n=5, copies=3, fraction=0.9999, prefix="")  # every key does, each with copies
 def test_the_split_holds_out_the_hashed_share_clamped_never_the_inverse(
     n: int, copies: int, fraction: float, prefix: str
 ) -> None:

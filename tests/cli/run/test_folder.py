@@ -120,6 +120,22 @@ def test_overwrite_refuses_a_symlinked_entry_before_deleting_anything(
     assert (out / entry).is_symlink() and (precious / "file.txt").read_text() == "keep me"
 
 
+@pytest.mark.parametrize("entry", ["checkpoints", "metrics.jsonl", "summary.json"])
+def test_overwrite_refuses_a_dangling_symlinked_entry_too(tmp_path, corpus, capsys, entry) -> None:
+    """SY1 for a link whose target is gone (checkpoints kept on a disk not mounted now): it is
+    an entry of the run all the same, refused before anything is deleted; the run never
+    writes through it (which would create the target outside the run folder)."""
+    out, target = tmp_path / "run", tmp_path / "unmounted" / entry
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    (out / entry).symlink_to(target)
+    line = train(capsys, tmp_path, "--data", str(corpus), "--overwrite")
+    assert f"--overwrite: {str(out / entry)!r} (-> {str(target)!r}): a symbolic link" in line
+    assert "nothing was deleted" in line, line
+    assert (out / "config.json").exists() and (out / entry).is_symlink()
+    assert not target.exists() and not target.parent.exists()
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_a_ramped_run_saved_on_two_ranks_is_not_resumed_on_one(tmp_path: Path, capsys) -> None:
