@@ -94,7 +94,8 @@ def test_a_resume_to_more_steps_without_warmup_keeps_the_checkpoints_warmup(data
     config = json.loads((out / "config.json").read_text())
     assert (config["warmup"], config["max_steps"]) == (3, 5)
     lrs = [r["lr"] for r in rows(out)]
-    assert lrs[:3] == pytest.approx([LR / 3, 2 * LR / 3, LR], rel=1e-15)  # the warm-up
+    # the warm-up, transformers' convention: step t of 3 at t / 3, the first at 0
+    assert lrs[:3] == pytest.approx([0.0, LR / 3, 2 * LR / 3], rel=1e-15)
     assert lrs[3:] == [MIN_LR, MIN_LR]  # horizon 3: warm-up ended at the cosine's end
     assert all(math.isfinite(x) and x <= LR for x in lrs)
 
@@ -116,6 +117,6 @@ def test_a_resume_may_stop_before_the_checkpoints_warmup_ends(data, tmp_path, ca
     assert [[r[k] for k in keys] for r in rows(resumed)] == [
         [r[k] for k in keys] for r in rows(straight)[2:4]
     ]
-    assert [r["lr"] for r in rows(resumed)] == pytest.approx([3 * LR / 10, 4 * LR / 10])
+    assert [r["lr"] for r in rows(resumed)] == pytest.approx([2 * LR / 10, 3 * LR / 10])
     config = json.loads((resumed / "config.json").read_text())
     assert (config["max_steps"], config["warmup"]) == (4, 10)
