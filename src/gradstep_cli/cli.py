@@ -43,9 +43,10 @@ def _add_train_parser(sub: argparse._SubParsersAction) -> None:
         help="train the demo GPT or a Hugging Face causal LM with the exact "
         "accumulate-and-clip step",
         description="Train the demo's small byte-level GPT on text, or fine-tune a Hugging "
-        "Face causal LM (--model hf:DIR: its weights and tokenizer) on text or JSONL "
-        "(text, prompt/completion, chat messages), with the exact accumulate-and-clip step. "
-        "Precedence: defaults < --config < flags.",
+        "Face causal LM (--model hf:DIR: its weights and tokenizer) on text files or records "
+        "(JSONL, Parquet, CSV, Arrow or a datasets folder: text, prompt/completion, chat "
+        "messages), with the exact accumulate-and-clip step. Precedence: defaults < --config "
+        "< flags.",
     )
     add_config_flags(parser)
     parser.set_defaults(handler=_run_train)

@@ -260,6 +260,8 @@ def recipe_note(cfg: Any) -> str:
         said.append(f"{cfg.lr_schedule} schedule to min-lr {cfg.min_lr:g}")
     if "warmup" in auto:
         said.append(f"warm-up {cfg.warmup}" if cfg.warmup else "no warm-up")
+    elif cfg.warmup is None:  # pending --epochs: the steps follow once the data is read
+        said.append(f"warm-up {RECIPES[cfg.recipe]['warmup']}")
     if "weight_decay" in auto:
         said.append(f"weight decay {cfg.weight_decay:g}")
     if "adam_betas" in auto and cfg.adam_betas is not None:  # SGD, LARS: none

@@ -356,7 +356,8 @@ def schedule_line(schedule: LRSchedule, stop: int | None = None) -> str:
     warm = "no warm-up"
     if shape.warmup:
         start = "1/warmup" if shape.legacy_warmup else f"{lr * shape(0.0):g}"
-        warm = f"warm-up {shape.warmup} steps from {start}"
+        steps = "step" if shape.warmup == 1 else "steps"
+        warm = f"warm-up {shape.warmup} {steps} from {start}"
     if shape.kind == "constant":
         after = f"then constant {lr:g}"
     elif shape.kind == "wsd":

@@ -124,6 +124,8 @@ def test_epochs_and_stop_after() -> None:
     cfg = TrainConfig(epochs=2.5)
     assert cfg.max_steps is None and cfg.warmup is None  # derived once the data is read
     assert "max_steps" in cfg.auto_fields
+    # The note says the rule (the start line then says the steps it gave).
+    assert "warm-up min(20, max_steps // 5)" in recipe_note(cfg)
     for name, bad in (("epochs", 0.0), ("stop_after", 0), ("max_steps", 0)):
         with pytest.raises(ConfigError, match=f"--{name.replace('_', '-')} must be"):
             TrainConfig(**{name: bad})

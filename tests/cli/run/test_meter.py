@@ -119,6 +119,14 @@ def test_a_run_near_its_memory_budget_says_so_once(capsys, monkeypatch) -> None:
     quiet = Meter(fake_run(budget="100MiB"))
     quiet.step(1, window, stats(1), 0.1)
     assert capsys.readouterr().err == "" and quiet.warned_at is None
+    # Read every step: a peak that grows past 90% at step 4 is said at step 4.
+    peaks = iter([80, 85, 89, 91, 99])
+    monkeypatch.setattr(meter_module, "peak_bytes", lambda device: next(peaks) * 2**20)
+    growing = Meter(fake_run(budget="100MiB"))
+    for n in range(1, 6):
+        growing.step(n, window, stats(1), 0.1)
+    assert growing.warned_at == 4
+    assert "warning: step 4: peak memory 91.00 MiB is 91% of" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -127,6 +135,10 @@ def test_a_run_near_its_memory_budget_says_so_once(capsys, monkeypatch) -> None:
         (
             TrainConfig(max_steps=80, warmup=8, lr=5e-4, min_lr=0.0),
             "lr schedule: warm-up 8 steps from 0, then cosine decay from 0.0005 to 0 at step 80",
+        ),
+        (
+            TrainConfig(max_steps=5, warmup=1, lr=1e-3, lr_schedule="linear", min_lr=0.0),
+            "lr schedule: warm-up 1 step from 0, then linear decay from 0.001 to 0 at step 5",
         ),
         (
             TrainConfig(max_steps=10, warmup=0, lr=1e-3, lr_schedule="constant"),

@@ -1,8 +1,8 @@
 """``gradstep train --nproc-per-node N`` (issue 30 §4): workers started through torch's own
 launcher train; a flag error is printed once, with status 2, before any worker starts; a
 failed worker ends in gradstep's one line naming its rank, not the launcher's
-ChildFailedError traceback. Plain ``torchrun -m gradstep`` is tested elsewhere
-(tests/cli/test_torchrun_launch.py and the distributed tests)."""
+ChildFailedError traceback. Plain ``torchrun -m gradstep`` keeps working: it trains the
+same steps (its refusals: tests/cli/test_torchrun_launch.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.batches import text_corpus
+from tests.support.multiproc import free_port
 
 TOY = [
     "--device", "cpu", "--n-layer", "1", "--n-head", "2", "--d-model", "16", "--seq-len", "16",
@@ -39,17 +40,35 @@ def error_lines(stderr: str) -> list[str]:
 
 
 @pytest.mark.timeout(300)
-def test_two_workers_train_one_run(tmp_path: Path) -> None:
-    out = tmp_path / "run"
+def test_two_workers_train_one_run_as_plain_torchrun_does(tmp_path: Path) -> None:
+    """--nproc-per-node 2 trains one run of 2 ranks; ``torchrun -m gradstep train`` (no
+    --nproc-per-node) still works, and trains the same steps, bit for bit."""
+    out, plain = tmp_path / "run", tmp_path / "plain"
     data = str(text_corpus(tmp_path / "data"))
-    args = [*TOY, "--data", data, "--max-steps", "3", "--out", str(out)]
-    proc = gradstep(["--nproc-per-node", "2", "--strategy", "ddp", *args])
+    args = [*TOY, "--strategy", "ddp", "--data", data, "--max-steps", "3"]
+    proc = gradstep(["--nproc-per-node", "2", *args, "--out", str(out)])
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["world_size"], summary["strategy"], summary["steps"]) == (2, "ddp", 3)
     config = json.loads((out / "config.json").read_text())
     assert config["nproc_per_node"] == 2
     assert not any(noise in proc.stderr for noise in LAUNCHER_NOISE), proc.stderr
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                f"--master_port={free_port()}", "-m", "gradstep", "train"]  # fmt: skip
+    ran = subprocess.run(
+        [*torchrun, *args, "--out", str(plain)], capture_output=True, text=True, timeout=240,
+        env=ENV,
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    assert json.loads((plain / "config.json").read_text())["nproc_per_node"] is None
+    keys = ("window", "loss", "grad_norm", "lr", "items")
+    assert [[r[k] for k in keys] for r in _rows(plain)] == [
+        [r[k] for k in keys] for r in _rows(out)
+    ]
+
+
+def _rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.timeout(300)

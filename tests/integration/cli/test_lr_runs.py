@@ -120,3 +120,46 @@ def test_a_resume_may_stop_before_the_checkpoints_warmup_ends(data, tmp_path, ca
     assert [r["lr"] for r in rows(resumed)] == pytest.approx([2 * LR / 10, 3 * LR / 10])
     config = json.loads((resumed / "config.json").read_text())
     assert (config["max_steps"], config["warmup"]) == (4, 10)
+
+
+HF_KINDS = [  # (gradstep flags, transformers' scheduler name and kwargs)
+    (["--lr-schedule", "cosine", "--min-lr", "0"], "cosine", {}),
+    (["--lr-schedule", "cosine"], "cosine_with_min_lr", {"min_lr_rate": MIN_LR / LR}),
+    (["--lr-schedule", "linear", "--min-lr", "0"], "linear", {}),
+    (["--lr-schedule", "constant"], "constant_with_warmup", {}),
+    (
+        ["--lr-schedule", "wsd", "--decay-ratio", "0.3"],
+        "warmup_stable_decay",
+        {"num_decay_steps": 3, "min_lr_ratio": MIN_LR / LR},
+    ),
+]
+
+
+@pytest.mark.parametrize(("flags", "name", "kwargs"), HF_KINDS, ids=[k[1] for k in HF_KINDS])
+def test_every_schedule_a_run_uses_is_transformers_curve(data, tmp_path, flags, name, kwargs):
+    """Issue 30 §1: each --lr-schedule, with --warmup as a share (0.25 of 10 steps: 3,
+    rounded up as transformers' warmup_steps=0.25), runs at every step the learning rate
+    transformers' own scheduler gives the Trainer's step (read before the step)."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    out = tmp_path / "run"
+    assert train(data, out, "--max-steps", "10", "--warmup", "0.25", "--lr", str(LR), *flags) == 0
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=LR)
+    scheduler = transformers.get_scheduler(
+        name, optimizer, num_warmup_steps=3, num_training_steps=10,
+        scheduler_specific_kwargs=kwargs or None,
+    )  # fmt: skip
+    expected = []
+    for _ in range(10):
+        expected.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    ours = [r["lr"] for r in rows(out)]
+    assert ours[0] == expected[0] == (MIN_LR if name == "warmup_stable_decay" else 0.0)
+    assert max(abs(a - b) for a, b in zip(ours, expected, strict=True)) <= 1e-18
+    config = json.loads((out / "config.json").read_text())
+    assert (config["warmup"], config["lr_schedule"]) == (0.25, flags[1])
+    described = json.loads((out / "summary.json").read_text())["lr_schedule"]
+    assert (described["kind"], described["warmup"], described["max_steps"]) == (flags[1], 3, 10)

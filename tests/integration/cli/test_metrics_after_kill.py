@@ -1,7 +1,8 @@
 """After a crash and a resume, metrics.jsonl holds each step once (issue 30 §4; the walk found
 steps 71-78 twice after a SIGKILL at 78 and a resume from 70 of a run begun from another
 folder's checkpoint): the file is cut back to the checkpoint's step by the steps its records
-name, in the run's own folder and in a new one."""
+name, in the run's own folder (from its newest checkpoint or an older one named with
+``--resume PATH``) and in a new one."""
 
 from __future__ import annotations
 
@@ -69,6 +70,12 @@ def test_each_step_is_logged_once_after_a_sigkill_and_resumes(tmp_path: Path) ->
     assert saved < logged[-1], (saved, logged)  # steps after the checkpoint are run again
     end = logged[-1] + 3
     assert gradstep_main(["train", "--out", str(other), "--resume", "--max-steps", str(end)]) == 0
+    assert windows(other) == list(range(9, end + 1))
+    # The same folder from one of its older checkpoints (--resume PATH): cut back to it.
+    older = min((other / "checkpoints").glob("step-*"))
+    assert int(older.name.split("-")[1]) < end
+    back = ["train", "--out", str(other), "--resume", str(older), "--max-steps", str(end)]
+    assert gradstep_main(back) == 0
     assert windows(other) == list(range(9, end + 1))
     # A third folder from the killed one's checkpoints: its own steps, each once.
     third = tmp_path / "third"

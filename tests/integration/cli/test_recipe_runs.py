@@ -1,10 +1,13 @@
 """Recipes end to end (issue 30 §1): the defaults that fit a pretrained model, said and
 recorded; ``--epochs`` train every record of every epoch exactly once; ``--stop-after`` stops
-a run without touching its schedule, and a resume continues it to the same curve."""
+a run without touching its schedule, and a resume continues it to the same curve. And what
+every step measures (§4): peak memory against ``--memory-budget`` (said when near it), and
+processed besides trained tokens per second on the progress line."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -120,8 +123,40 @@ def test_stop_after_keeps_the_schedule_and_a_resume_continues_it(tmp_path: Path,
     err = capsys.readouterr().err
     assert "this invocation stops after step 4 (--stop-after)" in err
     assert len(rows(out)) == 4 and summary(out)["stopped_after"] == 4
-    assert gradstep_main(["train", "--out", str(out), "--resume"]) == 0
+    # --stop-after is this invocation's, not the run's: a resume may stop again, 6 later.
+    resume = ["train", "--out", str(out), "--resume"]
+    assert gradstep_main([*resume, "--stop-after", "6"]) == 0
+    assert "this invocation stops after step 10 (--stop-after)" in capsys.readouterr().err
+    assert [r["window"] for r in rows(out)] == list(range(1, 11))
+    assert summary(out)["stopped_after"] == 6 and summary(out)["max_steps"] == 20
+    assert gradstep_main(resume) == 0
     assert [r["window"] for r in rows(out)] == list(range(1, 21))
     assert [r["lr"] for r in rows(out)] == [r["lr"] for r in rows(whole)]
     assert [r["loss"] for r in rows(out)] == [r["loss"] for r in rows(whole)]
     assert summary(out)["stopped_after"] is None
+
+
+@pytest.mark.parametrize("near", [True, False])
+def test_a_run_near_its_memory_budget_says_so_and_shows_both_rates(
+    tmp_path: Path, capsys, near: bool
+) -> None:
+    """A budget at this process's resident set now: the run's peak reaches it, and the run
+    says so once, naming the step; a budget far above it: nothing said. Every step records
+    its resident set and the peak; the progress line shows trained and processed tok/s."""
+    from gradstep.memory import current_bytes
+
+    corpus = text_corpus(tmp_path / "data")
+    budget = f"{current_bytes('cpu')}B" if near else "64GiB"
+    out = tmp_path / "run"
+    args = ["train", *TOY, "--data", str(corpus), "--max-steps", "3", "--log-every", "1"]
+    assert gradstep_main([*args, "--memory-budget", budget, "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    said = re.findall(r"warning: step (\d+): peak memory [\d.]+ [KMG]iB is (?:over|\d+% of) "
+                      r"--memory-budget", err)  # fmt: skip
+    assert said == (["1"] if near else []), err
+    assert summary(out)["memory_budget_warning_step"] == (1 if near else None)
+    for record in rows(out):
+        assert record["rss_mb"] > 0 and record["peak_memory_mb"] >= record["rss_mb"]
+    progress = [line for line in err.splitlines() if re.match(r"step \d+/3 ", line)]
+    assert len(progress) == 3, err
+    assert all(" trained tok/s " in line and " processed tok/s " in line for line in progress)
