@@ -177,7 +177,9 @@ def chunked_token_loss(
 class _ChunkedCrossEntropy(torch.autograd.Function):
     """Sum of cross-entropies of ``linear(hidden, weight, bias)`` rows against ``targets``
     (every target valid), chunk by chunk in forward and again in backward, the projection in
-    one dtype both times (autocast's when it is on, as a ``Linear`` would be computed)."""
+    one dtype both times (autocast's when it is on, as a ``Linear`` would be computed). A
+    chunk's peak is one ``(chunk, vocab)`` tensor in the sum's dtype (plus autocast's
+    low-precision projection while it is copied)."""
 
     @staticmethod
     def forward(ctx: Any, hidden, weight, bias, targets, chunk):  # type: ignore[no-untyped-def]
@@ -192,9 +194,17 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=_sum_dtype(hidden, weight), device=hidden.device)
         with torch.autocast(device, enabled=False):
             for start in range(0, hidden.shape[0], chunk):
+                # In the sum's dtype, a buffer of its own: it is overwritten below.
                 logits = _logits(hidden[start : start + chunk], weight, bias, ctx.dtype)
-                part = targets[start : start + chunk]
-                total = total + F.cross_entropy(logits.to(total.dtype), part, reduction="sum")
+                logits = logits.to(total.dtype)
+                try:
+                    picked = logits.gather(1, targets[start : start + chunk, None]).sum()
+                except RuntimeError as exc:  # an IndexError, as F.cross_entropy's: callers
+                    raise IndexError(f"target out of range: {exc}") from exc  # name the key
+                exp, top = _exp_shifted_(logits)
+                # CE = logsumexp - the target's logit, summed over the chunk's rows.
+                total = total + (exp.sum(-1).log_() + top.squeeze(-1)).sum() - picked
+                del logits, exp  # before the next chunk's projection, not after it
         return total
 
     @staticmethod
@@ -206,17 +216,19 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         grad_bias = torch.zeros_like(bias) if need_b and bias is not None else None
         for start in range(0, hidden.shape[0], ctx.chunk):
             rows, end = hidden[start : start + ctx.chunk], start + ctx.chunk
-            logits = _logits(rows, weight, bias, ctx.dtype)
-            # d(sum of CE)/d(logits) = softmax - one_hot, times the incoming gradient.
-            d = torch.softmax(logits.to(grad_total.dtype), dim=-1)
+            # d(sum of CE)/d(logits) = softmax - one_hot, times the incoming gradient, made
+            # in place in the logits' own buffer (as in forward).
+            exp, _ = _exp_shifted_(_logits(rows, weight, bias, ctx.dtype).to(grad_total.dtype))
+            d = exp.div_(exp.sum(-1, keepdim=True))
             d[torch.arange(d.shape[0], device=d.device), targets[start:end]] -= 1
-            d = (d * grad_total).to(ctx.dtype)
+            d = d.mul_(grad_total).to(ctx.dtype)
             if grad_hidden is not None:
                 grad_hidden[start:end] = (d @ weight.to(ctx.dtype)).to(hidden.dtype)
             if grad_weight is not None:
                 grad_weight += (d.t() @ rows.to(ctx.dtype)).to(weight.dtype)
             if grad_bias is not None:
                 grad_bias += d.sum(0).to(bias.dtype)
+            del exp, d  # before the next chunk's projection, not after it
         return grad_hidden, grad_weight, grad_bias, None, None
 
 
@@ -224,6 +236,15 @@ def _logits(
     rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
 ) -> torch.Tensor:
     return F.linear(rows.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
+
+
+def _exp_shifted_(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``exp(logits - max)`` IN PLACE, and the row maxima: the numerators of softmax and
+    logsumexp (shifted so that exp cannot overflow) without a second ``(rows, vocab)``
+    buffer, so a chunk holds one such tensor at a time (``F.cross_entropy`` or
+    ``torch.softmax`` would allocate their output beside the logits)."""
+    top = logits.amax(-1, keepdim=True)
+    return logits.sub_(top).exp_(), top
 
 
 def _sum_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:

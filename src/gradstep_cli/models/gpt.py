@@ -12,6 +12,16 @@ layout choices are load-bearing for later features:
 Rotary tables are computed in ``forward`` instead of being stored as buffers: they are cheap
 for short sequences, and not having buffers means meta-device construction, sharding and
 dtype casts never need to re-create them.
+
+Two optional paths leave the plain ``model(input_ids)`` untouched (bitwise):
+
+* **packed rows** (``seq_ids=``, :func:`gradstep.packing.pack`'s rows): several whole
+  sequences per row, attention block-causal within each and rotary positions restarting
+  at each, so a packed row computes exactly what each sequence alone computes;
+* **the loss in the forward** (``labels=``): a :class:`~gradstep.LossSum`; with
+  ``loss_chunk_tokens`` set it is :func:`~gradstep.step.loss.chunked_token_loss` of the
+  last hidden states and the head's weight, so the ``(B, T, vocab)`` logits are never held.
+  It runs inside ``forward`` because that is where FSDP2 has gathered the head's weight.
 """
 
 from __future__ import annotations
@@ -23,7 +33,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPT", "GPTConfig", "apply_rotary", "generate", "generate_ids", "rotary_tables"]
+from gradstep.packing import block_causal_mask
+from gradstep.step.loss import LossSum, chunked_token_loss, token_loss
+
+__all__ = [
+    "GPT",
+    "GPTConfig",
+    "apply_rotary",
+    "generate",
+    "generate_ids",
+    "positions_from",
+    "rotary_tables",
+]
 
 
 @dataclass(frozen=True)
@@ -39,6 +60,9 @@ class GPTConfig:
     tie_weights: bool = True
     mlp_ratio: int = 4
     rope_base: float = 10000.0
+    loss_chunk_tokens: int | None = None
+    """``forward(..., labels=)`` computes the loss this many positions at a time without the
+    whole logits (None: from the whole logits, as ``token_loss(model(ids), labels)``)."""
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_head:
@@ -47,6 +71,11 @@ class GPTConfig:
             )
         if (self.d_model // self.n_head) % 2:
             raise ValueError("head dimension d_model // n_head must be even for rotary embeddings")
+        chunk = self.loss_chunk_tokens
+        if chunk is not None and (
+            isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1
+        ):
+            raise ValueError(f"loss_chunk_tokens must be None or an int >= 1, got {chunk!r}")
 
     @property
     def head_dim(self) -> int:
@@ -101,18 +130,28 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``cos``/``sin``: ``(T, hd)``, or ``(B, 1, T, hd)`` for per-row positions; ``mask``:
+        None (causal) or a boolean ``(B, 1, T, T)`` (True = may attend), a packed row's."""
         b, t, _ = x.shape
         qkv = self.qkv(x)
         heads = qkv.shape[-1] // (3 * self.head_dim)  # this rank's, under tensor parallelism
         # (b, t, heads, 3, hd) -> (3, b, heads, t, hd); no -1: an empty micro-batch has b = 0
         q, k, v = qkv.view(b, t, heads, 3, self.head_dim).permute(3, 0, 2, 1, 4)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        # Right padding only: a real token never attends to a later pad, so the causal mask
-        # is the only mask needed and the fused kernel stays usable.
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        dropout = self.dropout if self.training else 0.0
+        if mask is None:
+            # Right padding only: a real token never attends to a later pad, so the causal
+            # mask is the only mask needed and the fused kernel stays usable.
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
         return self.proj(y.transpose(1, 2).reshape(b, t, heads * self.head_dim))
 
 
@@ -137,8 +176,14 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.norm1(x), cos, sin))
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.norm1(x), cos, sin, mask))
         return x + self.drop(self.mlp(self.norm2(x)))
 
 
@@ -173,17 +218,84 @@ class GPT(nn.Module):
         """Unique parameters (a tied head is counted once)."""
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        *,
+        seq_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor | LossSum:
+        """``(B, T)`` ids to ``(B, T, vocab)`` logits, or with ``labels`` (aligned with the ids:
+        ``labels[:, t]`` is position ``t``'s target, -100 for none) their summed
+        cross-entropy and count as a :class:`~gradstep.LossSum`.
+
+        ``seq_ids`` (``(B, T)``, :func:`gradstep.packing.pack`'s): each position's sequence
+        in its row; a position attends only to earlier positions of its own sequence, and
+        its rotary position counts from its sequence's start (``position_ids``, derived
+        from ``seq_ids`` when not given). ``position_ids`` alone is refused: without the
+        mask, packed sequences would attend to each other.
+        """
         t = input_ids.shape[1]
         if t > self.config.max_seq_len:
             raise ValueError(f"sequence length {t} exceeds max_seq_len {self.config.max_seq_len}")
         x = self.drop(self.embed(input_ids))
-        cos, sin = rotary_tables(
-            t, self.config.head_dim, self.config.rope_base, device=x.device, dtype=x.dtype
-        )
+        if seq_ids is None:
+            if position_ids is not None:
+                raise ValueError(
+                    "GPT.forward: position_ids without seq_ids: packed sequences would attend "
+                    "to each other; pass seq_ids (gradstep.packing.pack's) too"
+                )
+            mask = None
+            cos, sin = rotary_tables(
+                t, self.config.head_dim, self.config.rope_base, device=x.device, dtype=x.dtype
+            )
+        else:
+            mask, cos, sin = self._packed(seq_ids, position_ids, x)
         for block in self.blocks:
-            x = block(x, cos, sin)
-        return self.lm_head(self.norm(x))
+            x = block(x, cos, sin, mask)
+        hidden = self.norm(x)
+        if labels is None:
+            return self.lm_head(hidden)
+        chunk = self.config.loss_chunk_tokens
+        if chunk is None:
+            return token_loss(self.lm_head(hidden), labels)
+        # The head's weight as this forward sees it: under FSDP2 the gathered one.
+        return chunked_token_loss(
+            hidden, self.lm_head.weight, labels, self.lm_head.bias, chunk_tokens=chunk
+        )
+
+    def _packed(
+        self, seq_ids: torch.Tensor, position_ids: torch.Tensor | None, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The block-causal mask and per-row rotary tables ``(B, 1, T, hd)`` of packed rows.
+        The tables are rows of the same ``rotary_tables`` a sequence alone uses, so each
+        sequence's rotations are bitwise the ones it gets alone."""
+        if seq_ids.shape != x.shape[:2]:
+            raise ValueError(
+                f"GPT.forward: seq_ids shape {tuple(seq_ids.shape)} differs from input_ids "
+                f"shape {tuple(x.shape[:2])}"
+            )
+        seq_ids = seq_ids.to(x.device)
+        if position_ids is None:
+            position_ids = positions_from(seq_ids)
+        position_ids = position_ids.to(x.device)
+        cos, sin = rotary_tables(
+            x.shape[1], self.config.head_dim, self.config.rope_base, device=x.device, dtype=x.dtype
+        )
+        # (T, hd) rows at each position: (B, T, hd), then a heads axis to broadcast over.
+        cos, sin = cos[position_ids].unsqueeze(1), sin[position_ids].unsqueeze(1)
+        return block_causal_mask(seq_ids), cos, sin
+
+
+def positions_from(seq_ids: torch.Tensor) -> torch.Tensor:
+    """Each position's offset from the start of its sequence (a run of equal ``seq_ids``):
+    the positions :func:`gradstep.packing.pack` gives, padding included."""
+    t = seq_ids.shape[-1]
+    index = torch.arange(t, device=seq_ids.device).expand_as(seq_ids)
+    starts = torch.ones_like(seq_ids, dtype=torch.bool)
+    starts[..., 1:] = seq_ids[..., 1:] != seq_ids[..., :-1]
+    return index - torch.where(starts, index, 0).cummax(-1).values
 
 
 def generate(
