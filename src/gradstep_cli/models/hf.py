@@ -218,6 +218,12 @@ def _read_config(cfg: TrainConfig) -> Any:
     """The HF config ``hf:PATH`` names, as saved."""
     transformers = _transformers()
     path = _path(cfg)
+    if not path.exists():
+        resumed = " (the run resumed here was trained on it)" if cfg.resume else ""
+        raise ConfigError(
+            f"model {cfg.model!r}: the folder {str(path)!r}{resumed} is missing (moved or "
+            "deleted?): put it back at this path; nothing is ever downloaded"
+        )
     if not (path.is_file() or (path / "config.json").is_file()):
         adapter = (path / "adapter_config.json").is_file()
         hint = " (a PEFT adapter folder: point --model at its base model)" if adapter else ""

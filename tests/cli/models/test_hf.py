@@ -391,6 +391,10 @@ def test_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert "vocab_size must be >= 256" in capsys.readouterr().err
     missing = f"hf:{tmp_path / 'nothing'}"
     assert main(["train", *TINY, "--model", missing, "--out", str(tmp_path / "b")]) == 2
+    assert f"the folder {str(tmp_path / 'nothing')!r} is missing" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["train", *TINY, "--model", f"hf:{empty}", "--out", str(tmp_path / "e")]) == 2
     assert "neither a config.json" in capsys.readouterr().err
     assert main(["train", *TINY, "--lora", "2", "--out", str(tmp_path / "c")]) == 2
     assert "--lora needs --model hf:PATH" in capsys.readouterr().err
