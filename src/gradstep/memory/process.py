@@ -12,7 +12,6 @@ history rather than on its live tensors: glibc's mmap threshold
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import resource
 import sys
@@ -169,10 +168,8 @@ def pin_mmap_threshold(threshold_bytes: int = 128 * 1024) -> bool:
     history, not with what is alive. Affects only allocations made afterwards. Costs page
     faults on every large allocation. Returns False where unavailable (not glibc).
     """
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else ctypes.CDLL(None)
-        mallopt = libc.mallopt
+    try:  # the process's own symbols hold libc's (find_library would fork ldconfig)
+        mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return False
     return bool(mallopt(_M_MMAP_THRESHOLD, int(threshold_bytes)))

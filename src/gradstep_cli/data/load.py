@@ -11,8 +11,8 @@ validation batches from it.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
-import ctypes.util
 import dataclasses
 import time
 from dataclasses import dataclass
@@ -42,7 +42,8 @@ class Data:
 
 def held_out_warning(source: TextSource, fraction: float) -> str:
     """What ``--val-fraction`` took from ``--data`` when it was not asked for: training
-    data withheld is said, with its count, never silent (docs/guide/data.md)."""
+    data withheld is said, with its count, never silent (docs/guide/cli.md, the
+    validation split)."""
     train, val = source.train, source.val
     if val.kinds:
         n, total = sum(val.kinds.values()), sum(val.kinds.values()) + sum(train.kinds.values())
@@ -60,12 +61,11 @@ def held_out_warning(source: TextSource, fraction: float) -> str:
 
 def _trim() -> None:
     """Hand the tokenizer's freed memory back to the OS (glibc keeps its threads' arenas):
-    what the probe then measures as the baseline is what the run holds."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    what the probe then measures as the baseline is what the run holds. The process's own
+    symbols hold libc's: ``ctypes.util.find_library`` would fork ``ldconfig`` from a
+    process of hundreds of MiB, a transient an outside RSS sampler counts twice."""
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to trim
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 def _prepare(checked: Checked, tokenizer: Any) -> TextSource:

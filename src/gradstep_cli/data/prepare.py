@@ -19,9 +19,10 @@ import numpy as np
 from gradstep_cli.config.preflight import note
 from gradstep_cli.data.build import Filler, fill_records, fill_texts, utf8_cut
 from gradstep_cli.data.chunks import Pieces
+from gradstep_cli.data.files import DEFAULT_VAL_BYTES
 from gradstep_cli.data.formats import Fields
 from gradstep_cli.data.records import BadRecords, Encoder
-from gradstep_cli.data.scan import Read, overlap_note, scan, split
+from gradstep_cli.data.scan import Read, bounded_val, overlap_note, scan, split
 from gradstep_cli.data.sides import Prepared, Side, TextSource
 from gradstep_cli.data.specs import Spec, resolve
 from gradstep_cli.data.store import (
@@ -54,7 +55,7 @@ def _inputs(cfg: Any, encoder: Encoder, specs: tuple[Spec, Spec | None]) -> dict
         "skip_bad_records": cfg.skip_bad_records,
         "fields": dataclasses.astuple(Fields.of(cfg))[:5],
         "chat_template_kwargs": encoder.template_kwargs,
-    }
+    } | ({"default_val_bytes": DEFAULT_VAL_BYTES} if cfg.data is None else {})
 
 
 def _fillers(
@@ -82,18 +83,31 @@ def _split_texts(read: Read, parts: tuple[Any, Any], sides: list[Filler], tokens
     fill_texts(val, sides[1], read.flag)
 
 
+def _held_out(
+    folder: Path, read: Read, cfg: Any, encoder: Encoder, notes: list[str]
+) -> tuple[list[Filler], str]:
+    """``--val-fraction`` of ``--data`` held out, both sides filled; and what was held (for
+    refusals). The default corpus validates on a bounded part of what it holds out."""
+    train_part, val_part, held = split(read, cfg.val_fraction)
+    if cfg.data is None:
+        val_part, said = bounded_val(val_part, DEFAULT_VAL_BYTES)
+        note(said)
+        notes.append(said)
+    sides = _fillers(folder, cfg, encoder, "--data", (read.bad, BadRecords()))
+    sides[1].defer = True
+    if read.docs:
+        _split_texts(read, (train_part, val_part), sides, encoder.tokenizer is not None)
+    else:
+        fill_records(read, Fields.of(cfg), sides, val_part)
+    return sides, held
+
+
 def _build(folder: Path, cfg: Any, encoder: Encoder, specs: tuple[Spec, Spec | None]) -> dict:
     """Scan, split and tokenize both sides into ``folder``; the store's meta."""
     fields, skip = Fields.of(cfg), cfg.skip_bad_records
     train, notes = scan(specs[0], "--data", fields, skip, encoder), []
     if specs[1] is None:
-        train_part, val_part, held = split(train, cfg.val_fraction)
-        sides = _fillers(folder, cfg, encoder, "--data", (train.bad, BadRecords()))
-        sides[1].defer = True
-        if train.docs:
-            _split_texts(train, (train_part, val_part), sides, encoder.tokenizer is not None)
-        else:
-            fill_records(train, fields, sides, val_part)
+        sides, held = _held_out(folder, train, cfg, encoder, notes)
     else:
         val = scan(specs[1], "--val-data", fields, skip, encoder)
         said = overlap_note(train, val)

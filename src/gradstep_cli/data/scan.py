@@ -24,7 +24,7 @@ from gradstep_cli.data.records import SKIP_HINT, BadRecords, DataError, Encoder
 from gradstep_cli.data.specs import Spec
 from gradstep_cli.data.tokenized import plural_records
 
-__all__ = ["Read", "TextDoc", "held_mask", "overlap_note", "scan", "split"]
+__all__ = ["Read", "TextDoc", "bounded_val", "held_mask", "overlap_note", "scan", "split"]
 
 VAL_BUCKETS = 10
 
@@ -204,6 +204,28 @@ def split(read: Read, fraction: float) -> tuple[object, object, str]:
     held = held_mask(read.hashes, fraction)
     n, total = int(held.sum()), read.records
     return ~held, held, _held_text(f"{n:,} of the {total:,} records", fraction)
+
+
+def bounded_val(val: list[TextDoc], budget: int) -> tuple[list[TextDoc], str]:
+    """The default corpus's held-out files that validate: in path-hash order (spread over the
+    library, the same on every run), each that still fits ``budget`` bytes, at least the
+    smallest; and the note saying so. The others are left out of both sides, so the
+    training side is what the split made it."""
+    kept, total = [], 0
+    for doc in sorted(val, key=lambda d: path_hash(d.name)):
+        if total + doc.end - doc.start <= budget:
+            kept.append(doc)
+            total += doc.end - doc.start
+    if not kept:
+        kept = [min(val, key=lambda d: d.end - d.start)]
+        total = kept[0].end - kept[0].start
+    kept.sort(key=lambda d: d.name)
+    said = (
+        f"note: the default corpus validates on {len(kept)} of the {len(val)} files it holds out "
+        f"({total:,} bytes: its evaluation is bounded to {budget:,} bytes to stay quick; the "
+        "other files are neither trained nor scored); --data is always scored whole"
+    )
+    return kept, said
 
 
 def overlap_note(train: Read, val: Read) -> str | None:

@@ -117,6 +117,37 @@ def test_default_corpus_is_deterministic_and_split_by_file() -> None:
     assert all("/test/" not in f.as_posix() and "site-packages" not in str(f) for f in files)
 
 
+def test_the_default_corpus_validates_on_a_bounded_part_user_data_on_all(
+    tmp_path, capsys, monkeypatch
+) -> None:
+    """The default corpus's held-out files are scored up to DEFAULT_VAL_BYTES (so `make
+    train`'s evaluations stay quick), said in a note; its training side is what the split
+    made it; user data's held-out part is scored whole however large."""
+    from gradstep_cli.data.files import DEFAULT_VAL_BYTES
+
+    monkeypatch.setenv("GRADSTEP_CACHE", str(tmp_path / "cache"))
+    whole = load_corpus()  # the split's rule, unbounded
+    held_bytes = sum(len(d.data) for d in whole.val)
+    assert held_bytes > 4 * DEFAULT_VAL_BYTES  # the bound matters
+    src = load_source(TrainConfig(seq_len=64))
+    err = capsys.readouterr().err
+    assert 0 < len(src.val.data) <= DEFAULT_VAL_BYTES
+    assert src.train.files == len(whole.train)
+    assert len(src.train.data) == sum(len(d.data) for d in whole.train)
+    said = re.search(r"validates on (\d+) of the (\d+) files it holds out", err)
+    assert said and int(said[1]) == src.val.files and int(said[2]) == len(whole.val), err
+    again = load_source(TrainConfig(seq_len=64))
+    assert again.prepared.reused and said[0] in capsys.readouterr().err  # said on every run
+    user = tmp_path / "user"
+    user.mkdir()
+    for i in range(20):  # files of ~40 KB: each held out is more than the default's bound
+        (user / f"f{i}.py").write_text(f"# file {i}\n" + f"x_{i} = {i}  # some code\n" * 1500)
+    mine, held = source(user), load_corpus(str(user)).val
+    assert mine.val.files == len(held) and len(mine.val.data) == sum(len(d.data) for d in held)
+    assert len(mine.val.data) > DEFAULT_VAL_BYTES
+    assert "validates on" not in capsys.readouterr().err
+
+
 def test_collate_pads_and_shifts() -> None:
     batch = collate([b"abcde", b"xy", b"pqrs"])
     assert batch["input_ids"].tolist() == [

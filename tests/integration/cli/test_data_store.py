@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from gradstep_cli.cli import main
@@ -110,3 +111,147 @@ def test_parquet_records_fine_tune_an_hf_model(tmp_path, llama, capsys, monkeypa
     assert "train records (" in err and "prompt/completion" in err, err
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["steps"] == 2
+
+
+def write_format(folder: Path, kind: str, records: list[dict]) -> Path:
+    """``records`` as ``kind``: JSONL, a JSON array, Parquet, CSV, Arrow or a save_to_disk
+    folder (the forms ``datasets.load_dataset`` reads locally)."""
+    datasets = pytest.importorskip("datasets")
+    folder.mkdir(parents=True, exist_ok=True)
+    table, path = datasets.Dataset.from_list(records), folder / f"d.{kind}"
+    if kind == "jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    elif kind == "json":
+        path.write_text(json.dumps(records, indent=1))
+    elif kind == "parquet":
+        table.to_parquet(str(path))
+    elif kind == "csv":
+        table.to_csv(str(path), index=False)
+    else:
+        table.save_to_disk(str(folder / "saved"))
+        if kind == "saved":
+            return folder / "saved"
+        path.write_bytes(next((folder / "saved").glob("*.arrow")).read_bytes())
+    return path
+
+
+def hf_train(capsys: Any, llama: Path, out: Path, *argv: str) -> str:
+    """A one-step run of the tiny Llama into ``out``; what it printed."""
+    model = ["--model", f"hf:{llama}", "--seq-len", "32", *RUN, "--max-steps", "1"]
+    return train(capsys, *model, *argv, "--out", str(out))
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "json", "parquet", "csv", "arrow", "saved"])
+def test_every_local_format_trains_through_the_cli(tmp_path, llama, capsys, monkeypatch, kind):
+    """Each form ``datasets.load_dataset`` reads locally is --data as it is; the share
+    --val-fraction holds out is a warning with its count."""
+    monkeypatch.setenv("GRADSTEP_CACHE", str(tmp_path / "cache"))
+    data = write_format(tmp_path / "d", kind, PAIRS)
+    err = hf_train(capsys, llama, tmp_path / "run", "--data", str(data))
+    said = re.search(r"warning: --val-fraction 0.1 holds (\d+) of the 24 records of --data", err)
+    assert said, err
+    line = next(x for x in err.splitlines() if " train records (" in x)
+    assert f"{24 - int(said[1])} train records ({24 - int(said[1])} prompt/completion" in line
+    assert f"{said[1]} val records ({said[1]} prompt/completion" in line, line
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 1
+
+
+def test_data_split_picks_a_split_of_a_saved_dataset_or_a_dataset_folder(
+    tmp_path, llama, capsys, monkeypatch
+) -> None:
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setenv("GRADSTEP_CACHE", str(tmp_path / "cache"))
+    train_rows, test_rows = datasets.Dataset.from_list(PAIRS), datasets.Dataset.from_list(PAIRS[:5])
+    saved = tmp_path / "dd"
+    datasets.DatasetDict({"train": train_rows, "test": test_rows}).save_to_disk(str(saved))
+    repo = tmp_path / "repo"
+    (repo / "data").mkdir(parents=True)
+    train_rows.to_parquet(str(repo / "data" / "train-00000-of-00001.parquet"))
+    test_rows.to_parquet(str(repo / "data" / "test-00000-of-00001.parquet"))
+    for data in (saved, repo):
+        splits = ["--data-split", "train", "--val-data", str(data), "--val-data-split", "test"]
+        err = hf_train(capsys, llama, tmp_path / data.name, "--data", str(data), *splits)
+        assert "24 train records (24 prompt/completion" in err, err
+        assert "5 val records (5 prompt/completion" in err and "warning:" not in err
+    err = main(["train", "--model", f"hf:{llama}", "--data", str(saved), "--val-data", str(saved),
+                "--val-data-split", "dev", "--out", str(tmp_path / "bad")])  # fmt: skip
+    said = capsys.readouterr().err
+    assert err == 2 and "has no split 'dev'; its splits are 'train', 'test'" in said, said
+
+
+def test_text_field_names_the_column_of_text_records(tmp_path, llama, capsys, monkeypatch):
+    """A CSV whose text is in 'body' (besides a 'label'): --text-field reads it."""
+    monkeypatch.setenv("GRADSTEP_CACHE", str(tmp_path / "cache"))
+    rows = [{"body": f"document {i}: " + "words to learn from " * 8, "label": i} for i in range(20)]
+    data = write_format(tmp_path / "d", "csv", rows)
+    err = hf_train(capsys, llama, tmp_path / "run", "--data", str(data), "--text-field", "body")
+    line = next(x for x in err.splitlines() if " train records (" in x)
+    assert re.search(r"\d+ train records \(\d+ text;", line) and "val records" in line, line
+    err = main(["train", "--model", f"hf:{llama}", "--data", str(data), "--out",
+                str(tmp_path / "bad")])  # fmt: skip
+    said = capsys.readouterr().err
+    assert err == 2 and "row 1: no 'text', 'prompt' and 'completion', or 'messages'" in said
+
+
+def chat_tokenizer(folder: Path) -> Path:
+    """The test tokenizer with a template that writes a record's tools and a ``think``
+    template argument into the tokens (so the store shows what the template got)."""
+    from tests.support import hf_assets
+
+    tok = hf_assets.load_tokenizer()
+    tok.chat_template = (
+        "{% if tools %}<|im_start|>system\ntools: {{ tools | map(attribute='name') | join(',') }}"
+        "<|im_end|>\n{% endif %}{% if think is defined %}<|im_start|>system\nthink: "
+        "{{ think }}<|im_end|>\n{% endif %}" + hf_assets.CHAT_TEMPLATE
+    )
+    tok.save_pretrained(folder)
+    return folder
+
+
+def stored_text(err: str, tok: Path) -> str:
+    """The validation tokens of the store the run said it built, decoded with ``tok``."""
+    from transformers import AutoTokenizer
+
+    store = Path(re.search(r"data: tokenized .* into (\S+)", err)[1])
+    ids = np.fromfile(store / "val.ids", dtype=np.int32).tolist()
+    return AutoTokenizer.from_pretrained(str(tok)).decode(ids)
+
+
+def test_chat_records_with_tools_and_template_kwargs_through_the_cli(
+    tmp_path, llama, capsys, monkeypatch
+) -> None:
+    """--messages-field names the conversation, a record's tools and
+    --chat-template-kwargs reach the template; another setting or an edited tokenizer is
+    another store, the same settings reuse it."""
+    monkeypatch.setenv("GRADSTEP_CACHE", str(tmp_path / "cache" / "x"))
+    tok = chat_tokenizer(tmp_path / "tok")
+    tools = [{"name": "search", "parameters": {"type": "object"}}]
+    call = {"role": "assistant", "content": "", "tool_calls": [{"name": "search"}]}
+    records = [
+        {"conversation": [{"role": "user", "content": f"find {i}"}, call,
+                          {"role": "tool", "content": f"found {i}"},
+                          {"role": "assistant", "content": f"it is {i}"}],
+         "tools": tools, "text": "ignored: --messages-field reads conversations only"}
+        for i in range(8)
+    ]  # fmt: skip
+    data = write_format(tmp_path / "d", "jsonl", records)
+    chat = ["--data", str(data), "--val-data", str(data), "--messages-field", "conversation",
+            "--tokenizer", str(tok), "--seq-len", "128"]  # fmt: skip
+    err = hf_train(capsys, llama, tmp_path / "a", *chat)
+    assert "8 train records (8 messages;" in err and err.count("data: tokenized ") == 1, err
+    text = stored_text(err, tok)
+    assert text.count("tools: search") == 8 and "think:" not in text and "ignored" not in text
+    kwargs = ["--chat-template-kwargs", '{"think": "off"}']
+    err = hf_train(capsys, llama, tmp_path / "b", *chat, *kwargs)
+    assert err.count("data: tokenized ") == 1, err  # another setting: another store
+    assert stored_text(err, tok).count("think: off") == 8
+    err = hf_train(capsys, llama, tmp_path / "c", *chat, *kwargs)
+    assert "data: reused the token store" in err and "data: tokenized" not in err
+    from transformers import AutoTokenizer
+
+    edited = AutoTokenizer.from_pretrained(str(tok))  # the same folder, another template
+    edited.chat_template = edited.chat_template.replace("think: ", "thinking: ")
+    edited.save_pretrained(tok)
+    err = hf_train(capsys, llama, tmp_path / "d", *chat, *kwargs)
+    assert err.count("data: tokenized ") == 1, err  # the stale store is not reused
+    assert stored_text(err, tok).count("thinking: off") == 8
