@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .shape import TransformerShape
 
-__all__ = ["ATTENTION", "activations", "per_token_terms"]
+__all__ = ["ATTENTION", "activations", "chunk_bytes", "chunked_head_terms", "per_token_terms"]
 
 _FP32 = 4
 _INT64 = 8
@@ -109,6 +109,37 @@ def per_token_terms(
     }
 
 
+def chunked_head_terms(
+    terms: dict[str, float], d: int, e_hidden: int, e_r: int, full_head: float
+) -> dict[str, float]:
+    """``terms`` with the head of :func:`gradstep.step.loss.chunked_token_loss` instead of
+    the whole logits: per token the hidden states it saves (``d*e_hidden``: a copy of the
+    target positions' rows) and the kept positions (``INT64``; the targets were counted
+    already) replace the head's input copy and its ``(tokens, V)`` float32 log-softmax
+    (``full_head``: those bytes, ``d*e + V*4``); the backward's ``ce`` temporaries become
+    the hidden states' gradient (``d*e_r``). The chunk's own buffers do not grow with the
+    micro-batch (:func:`chunk_bytes`)."""
+    out = dict(terms)
+    out["head"] = terms["head"] - full_head + d * e_hidden + _INT64
+    out["ce_temporaries"] = d * e_r
+    return out
+
+
+def chunk_bytes(
+    vocab: int, d: int, chunk: int, tokens: int, e_c: int, e_weight: int, head_grad: bool
+) -> int:
+    """Backward-peak bytes of the chunked loss that do not grow with the micro-batch: one
+    chunk's float32 ``(min(chunk, tokens), V)`` logits, exponentiated and turned into the
+    softmax's gradient in place, plus its copy in the compute dtype ``e_c`` when that is
+    not float32 (autocast's projection, the gradient cast back for the matmuls); and, when
+    the head trains, its weight gradient's accumulator and one chunk's ``(V, d)``
+    contribution (``grad_weight += d.t() @ rows``)."""
+    rows = min(chunk, tokens)
+    logits = rows * vocab * (_FP32 + (e_c if e_c != _FP32 else 0))
+    weight = vocab * d * (e_weight + e_c) if head_grad else 0
+    return logits + weight
+
+
 def activations(
     shape: TransformerShape,
     b: _Bytes,
@@ -116,6 +147,7 @@ def activations(
     checkpointing: bool,
     dropout: bool = False,
     attention: str = "fused",
+    loss_chunk_tokens: int = 0,
 ) -> tuple[int, float]:
     """(peak activation bytes, bytes per item) of one micro-batch.
 
@@ -124,8 +156,19 @@ def activations(
     With checkpointing the forward keeps only each block's input; backward recomputes one
     block at a time, so the peak is ``(L-1)`` inputs + one block's saved set (which holds
     its own input) + that block's gradient temporaries, or the head phase if larger.
+
+    ``loss_chunk_tokens=N`` (not 0): the loss is :func:`gradstep.step.loss.chunked_token_loss`
+    (the demo GPT's ``loss_chunk_tokens``): the head phase holds one chunk's logits
+    (:func:`chunk_bytes`) instead of the whole micro-batch's (:func:`chunked_head_terms`).
+    The bytes per item are then the slope of the peak in the micro-batch size.
     """
     t = per_token_terms(shape, b, dropout, attention, micro_batch_size)
+    d, e_r, e_c = shape.d_model, b.residual, b.compute
+    fixed = 0
+    if loss_chunk_tokens:
+        t = chunked_head_terms(t, d, e_r, e_r, d * e_c + shape.vocab_size * _FP32)
+        tokens = micro_batch_size * shape.seq_len
+        fixed = chunk_bytes(shape.vocab_size, d, loss_chunk_tokens, tokens, e_c, e_r, True)
     layers = shape.n_layer
     if checkpointing:
         head_phase = layers * t["block_input"] + t["head"] + t["ce_temporaries"]
@@ -133,8 +176,11 @@ def activations(
     else:
         head_phase = layers * t["block"] + t["head"] + t["ce_temporaries"]
         block_phase = layers * t["block"] + t["block_temporaries"]
-    per_token = max(head_phase, block_phase) + t["stem"]
     # cos/sin tables of (seq_len, head_dim), in the residual dtype, shared by all blocks.
     rope = 2 * shape.seq_len * shape.head_dim * b.residual
-    per_item = per_token * shape.seq_len
-    return round(per_item * micro_batch_size + rope), per_item
+    items = micro_batch_size * shape.seq_len
+    per_item = (max(head_phase, block_phase) + t["stem"]) * shape.seq_len
+    if not fixed:
+        return round(per_item * micro_batch_size + rope), per_item
+    peak = max(head_phase * items + fixed, block_phase * items) + t["stem"] * items
+    return round(peak + rope), per_item

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from .activations import _Bytes
+from .activations import _Bytes, chunk_bytes, chunked_head_terms
 from .hf_shape import Linear
 
 if TYPE_CHECKING:
@@ -183,21 +183,33 @@ def _layer(t: _Terms, layer: int) -> float:
     return first + second + _attention(t, e_a, not frozen_input) + mlp
 
 
-def hf_per_token_terms(shape: HFShape, b: _Bytes) -> dict[str, float]:
+def _lm_head(shape: HFShape) -> Linear:
+    return Linear("lm_head", shape.vocab_size, shape.d_model, False, "head")
+
+
+def chunks_loss(shape: HFShape, loss_chunk_tokens: int) -> bool:
+    """Whether ``causal_lm_loss(chunk_tokens=N)`` chunks this model's loss: N is not 0 and
+    its head is not LoRA-adapted (:func:`gradstep.hf.chunkable`'s refusal)."""
+    return bool(loss_chunk_tokens) and not (shape.lora and shape.targeted(_lm_head(shape)))
+
+
+def hf_per_token_terms(shape: HFShape, b: _Bytes, loss_chunk_tokens: int = 0) -> dict[str, float]:
     """Activation bytes per token: ``blocks`` (all layers), ``block`` (the largest layer),
     ``head``, ``stem`` (kept from the embedding to the end), ``block_input``, and the
     backward's ``ce_temporaries`` and
-    ``block_temporaries`` (as :func:`gradstep.memory.activations.per_token_terms`)."""
+    ``block_temporaries`` (as :func:`gradstep.memory.activations.per_token_terms`; with a
+    chunked loss, :func:`gradstep.memory.activations.chunked_head_terms`)."""
     t = _Terms(shape, b)
     layers = [_layer(t, layer) for layer in range(shape.n_layer)]
     final, e_h = t.norm(shape.d_model)
-    lm_head = Linear("lm_head", shape.vocab_size, shape.d_model, False, "head")
+    lm_head = _lm_head(shape)
     ids = _INT64 * ((1 if t.trains() else 0) * (2 if shape.positions else 1) + 1)
-    head = final + t.read_by(shape.d_model, e_h, [lm_head]) + shape.vocab_size * _FP32 + ids
+    logits = t.read_by(shape.d_model, e_h, [lm_head]) + shape.vocab_size * _FP32
+    head = final + logits + ids
     # GPT-NeoX drops out its embedding too (hidden_dropout): a mask kept to the end.
     stem = shape.d_model * t.e_r if shape.family == "gpt_neox" and shape.dropout else 0
     ff = shape.top_k * shape.expert_ff + shape.shared_ff if shape.experts else shape.d_ff
-    return {
+    terms = {
         "blocks": sum(layers),
         "block": max(layers),
         "head": head,
@@ -206,16 +218,25 @@ def hf_per_token_terms(shape: HFShape, b: _Bytes) -> dict[str, float]:
         "ce_temporaries": 2 * shape.vocab_size * _FP32,
         "block_temporaries": shape.d_model * t.e_r + 2 * ff * t.e_c,
     }
+    if chunks_loss(shape, loss_chunk_tokens):
+        terms = chunked_head_terms(terms, shape.d_model, e_h, t.e_r, logits)
+    return terms
 
 
 def hf_activations(
-    shape: HFShape, b: _Bytes, micro_batch_size: int, checkpointing: bool
+    shape: HFShape,
+    b: _Bytes,
+    micro_batch_size: int,
+    checkpointing: bool,
+    loss_chunk_tokens: int = 0,
 ) -> tuple[int, float]:
     """(peak activation bytes, bytes per item) of one micro-batch, as
     :func:`gradstep.memory.activations.activations` for the demo GPT: without
     checkpointing everything saved plus the loss's or the top block's backward
-    temporaries; with it, every layer's input plus one recomputed layer."""
-    t = hf_per_token_terms(shape, b)
+    temporaries; with it, every layer's input plus one recomputed layer.
+    ``loss_chunk_tokens=N``: ``causal_lm_loss(chunk_tokens=N)`` (:func:`chunks_loss`), one
+    chunk's logits in the head phase instead of the whole micro-batch's."""
+    t = hf_per_token_terms(shape, b, loss_chunk_tokens)
     layers = shape.n_layer
     if checkpointing:
         head_phase = layers * t["block_input"] + t["head"] + t["ce_temporaries"]
@@ -224,7 +245,15 @@ def hf_activations(
         head_phase = t["blocks"] + t["head"] + t["ce_temporaries"]
         block_phase = t["blocks"] + t["block_temporaries"]
     per_item = (max(head_phase, block_phase) + t["stem"]) * shape.seq_len
-    return round(per_item * micro_batch_size + _per_batch(shape, b)), per_item
+    if not chunks_loss(shape, loss_chunk_tokens):
+        return round(per_item * micro_batch_size + _per_batch(shape, b)), per_item
+    items = micro_batch_size * shape.seq_len
+    head_grad = not shape.lora  # LoRA freezes the base, the head included
+    fixed = chunk_bytes(
+        shape.vocab_size, shape.d_model, loss_chunk_tokens, items, b.compute, b.unsharded, head_grad
+    )
+    peak = max(head_phase * items + fixed, block_phase * items) + t["stem"] * items
+    return round(peak + _per_batch(shape, b)), per_item
 
 
 def _per_batch(shape: HFShape, b: _Bytes) -> int:

@@ -95,7 +95,9 @@ def _size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _check_args(micro_batch_size: int, world_size: int, attention: str) -> None:
+def _check_args(micro_batch_size: int, world_size: int, attention: str, chunk: object) -> None:
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+        raise ValueError(f"loss_chunk_tokens must be an int >= 0, got {chunk!r}")
     if micro_batch_size < 1 or world_size < 1:
         raise ValueError(
             f"micro_batch_size and world_size must be >= 1, got {micro_batch_size}, {world_size}"
@@ -133,11 +135,17 @@ def _sizes(
 
 
 def _activations(
-    shape: Shape, sizes: _Bytes, mbs: int, checkpointing: bool, dropout: float, attention: str
+    shape: Shape,
+    sizes: _Bytes,
+    mbs: int,
+    checkpointing: bool,
+    dropout: float,
+    attention: str,
+    chunk: int = 0,
 ) -> tuple[int, float]:
     if isinstance(shape, HFShape):
-        return hf_activations(shape, sizes, mbs, checkpointing)
-    return activations(shape, sizes, mbs, checkpointing, dropout > 0, attention)
+        return hf_activations(shape, sizes, mbs, checkpointing, chunk)
+    return activations(shape, sizes, mbs, checkpointing, dropout > 0, attention, chunk)
 
 
 def _weight_copies(shape: Shape, sizes: _Bytes, checkpointing: bool) -> int:
@@ -172,6 +180,7 @@ def estimate_step_memory(
     attention: str = "fused",
     frozen_dtype: torch.dtype | None = None,
     layout: Layout | None = None,
+    loss_chunk_tokens: int = 0,
 ) -> MemoryEstimate:
     """Predicted bytes per device of one ``Stepper.step`` with micro-batches of
     ``micro_batch_size`` sequences of ``shape.seq_len`` tokens.
@@ -187,30 +196,29 @@ def estimate_step_memory(
     None means float32 buffers for bf16/fp16 parameters (the Stepper's; not with FSDP2,
     which accumulates itself). ``accum_steps``: micro-batches per step, None when unknown
     (the worst case: gradients alive at the backward peak, and under FSDP2 the
-    reduce-scatter buffers too). ``fixed_bytes``: the runtime's own cost (the CUDA context
-    is not in ``max_memory_allocated``; on CPU interpreter + torch: measure or probe it).
-    ``dropout`` (masks kept when > 0) and ``attention`` (``"fused"``, or ``"math"``: what
-    torch runs on CPU with attention dropout, s^2 matrices per head; see
-    :data:`gradstep.memory.activations.ATTENTION`) are a :class:`TransformerShape`'s: an
-    :class:`HFShape` carries its own dropout.
+    reduce-scatter buffers too). ``fixed_bytes``: the runtime's own cost (CUDA context;
+    on CPU interpreter + torch: probe it). ``dropout`` and ``attention`` (``"fused"`` or
+    ``"math"``: :data:`gradstep.memory.activations.ATTENTION`) are a TransformerShape's.
 
-    ``layout`` (``sharded``; a :class:`gradstep.parallel.Layout` on ``world_size`` ranks, None:
-    ``Layout()``; docs/library/memory.md):
-    ``dp_replicate=R`` (HSDP) and ``tp=N`` (splitting the blocks'
-    matmuls: :class:`TransformerShape`'s ``tp``) leave FSDP2 ``world_size / (R x N)`` ranks.
+    ``layout`` (``sharded``; a :class:`gradstep.parallel.Layout`, None: ``Layout()``;
+    docs/library/memory.md): ``dp_replicate=R`` (HSDP) and ``tp=N`` (the blocks' matmuls
+    split) leave FSDP2 ``world_size / (R x N)`` ranks.
+
+    ``loss_chunk_tokens=N`` (0: whole logits): the loss of
+    :func:`gradstep.step.loss.chunked_token_loss`, one chunk's logits at a time.
     """
-    _check_args(micro_batch_size, world_size, attention)
+    _check_args(micro_batch_size, world_size, attention, loss_chunk_tokens)
     shape, shard_ranks = _mesh(shape, world_size, sharded, layout)
     sizes = _sizes(shape, param_dtype, compute_dtype, frozen_dtype, sharded)
     shards = sharded and shard_ranks > 1
     accum = _accum_buffers(shape, param_dtype, accum_dtype, sharded)
     opt_memory = _optimizer_memory(optimizer, foreach)
     states = _model_states(shape, sizes, shard_ranks if shards else 1, opt_memory)
-    acts = _activations(
-        shape, sizes, micro_batch_size, activation_checkpointing, dropout, attention
+    ckpt, chunk = activation_checkpointing, loss_chunk_tokens
+    acts = _activations(shape, sizes, micro_batch_size, ckpt, dropout, attention, chunk)
+    held = _held_in_backward(
+        shape, sizes, shards, shard_ranks, accum_steps, sync_each_micro_batch, ckpt, accum > 0
     )
-    ckpt, sync, buffered = activation_checkpointing, sync_each_micro_batch, accum > 0
-    held = _held_in_backward(shape, sizes, shards, shard_ranks, accum_steps, sync, ckpt, buffered)
     copies = _weight_copies(shape, sizes, activation_checkpointing)
     return _estimate(states, accum, acts, held, copies, fixed_bytes)
 

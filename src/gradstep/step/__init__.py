@@ -3,7 +3,8 @@
 - :mod:`.stepper`: ``Stepper``, the step top to bottom;
 - :mod:`.loop`: windows of micro-batches and the one micro-batch loop (forward, loss,
   backward; gradient sync on the last micro-batch only);
-- :mod:`.loss`: ``LossSum`` (a sum and its item count) and ``token_loss``;
+- :mod:`.loss`: ``LossSum`` (a sum and its item count), ``token_loss`` and
+  ``chunked_token_loss`` (never the whole logits);
 - :mod:`.tally`: the window's accounting, its one collective and one host read;
 - :mod:`.norm`: the global gradient norm, the one owner of how a strategy's gradient
   layout becomes it (after backward, or during the last backward);
@@ -18,7 +19,7 @@ step's two seams; they live in their own packages.
 
 from .hooks import Hooks, StepHook
 from .loop import windows
-from .loss import LossSum, token_loss
+from .loss import CHUNK_TOKENS, LossSum, chunked_token_loss, token_loss
 from .oom import (
     MAX_HALVINGS,
     ON_OOM,
@@ -35,6 +36,7 @@ from .stats import StepStats
 from .stepper import LossFn, Stepper
 
 __all__ = [
+    "CHUNK_TOKENS",
     "MAX_HALVINGS",
     "ON_OOM",
     "Hooks",
@@ -47,6 +49,7 @@ __all__ = [
     "StepStats",
     "Stepper",
     "WindowOOM",
+    "chunked_token_loss",
     "halve",
     "is_out_of_memory",
     "split_in_half",

@@ -55,7 +55,7 @@ WARMUP_MAX = 20
 _AT_LEAST_ONE = (
     "seq_len", "accum_steps", "log_every", "keep_checkpoints", "tp", "hsdp",
 )  # fmt: skip
-_AT_LEAST_ZERO = ("eval_every", "sample_tokens", "save_every", "threads")
+_AT_LEAST_ZERO = ("eval_every", "sample_tokens", "save_every", "threads", "loss_chunk_tokens")
 INITS = ("pretrained", "random")
 _CHOICES = {
     "init": INITS,

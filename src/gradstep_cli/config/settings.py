@@ -143,6 +143,14 @@ class TrainConfig(RecipeFields, LaunchFields, DataFields):
     dropout: float = _f(
         "model", 0.0, "dropout probability in [0, 1) of the demo GPT (hf: its config)"
     )
+    loss_chunk_tokens: int = _f(
+        "model",
+        0,
+        "compute the training loss's output projection and cross-entropy this many tokens at "
+        "a time (e.g. 1024), so the step never holds the whole (tokens x vocab) logits (0: the "
+        "whole logits at once); a LoRA-adapted or soft-capped head falls back to the whole "
+        "logits, with a note. Evaluation still holds one micro-batch's logits",
+    )
     micro_batch_size: int | str = _f(
         "batch",
         8,

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradstep.packing import block_causal_mask
-from gradstep.step.loss import LossSum, chunked_token_loss, token_loss
+from gradstep.step import LossSum, chunked_token_loss, token_loss
 
 __all__ = [
     "GPT",

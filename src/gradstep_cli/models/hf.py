@@ -17,7 +17,7 @@ import contextlib
 import pickle
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from gradstep import LossSum
-from gradstep.hf import causal_lm_loss, count_tokens
+from gradstep.hf import causal_lm_loss, chunkable, count_tokens
 from gradstep_cli.config.preflight import note
 from gradstep_cli.config.settings import ConfigError, TrainConfig
 from gradstep_cli.data.sources import Batch
@@ -90,6 +90,7 @@ def gpt_config(cfg: TrainConfig) -> GPTConfig:
         d_model=cfg.d_model,
         max_seq_len=cfg.seq_len,
         dropout=cfg.dropout,
+        loss_chunk_tokens=cfg.loss_chunk_tokens or None,
     )
 
 
@@ -349,13 +350,33 @@ def count_batch(batch: Batch) -> int:
 @dataclass(frozen=True)
 class HFLoss:
     """``loss_fn`` for an HF model on a run's batches (pre-shifted labels, right padding:
-    no attention mask is needed for a causal model): :func:`gradstep.hf.causal_lm_loss`."""
+    no attention mask is needed for a causal model): :func:`gradstep.hf.causal_lm_loss`,
+    ``chunk_tokens`` positions at a time (``--loss-chunk-tokens``; 0: the whole logits).
+    A model whose head :func:`gradstep.hf.chunkable` refuses (LoRA-adapted, soft-capped)
+    gets the whole logits, with a one-line note the first time."""
 
     device: torch.device
+    chunk_tokens: int = 0
+    _refused: dict[int, str | None] = field(default_factory=dict, compare=False, repr=False)
+
+    def chunk_for(self, model: nn.Module) -> int | None:
+        """The ``chunk_tokens=`` of ``model``'s loss (None: the whole logits)."""
+        if not self.chunk_tokens:
+            return None
+        key = id(model)
+        if key not in self._refused:
+            why = chunkable(model)
+            self._refused[key] = why
+            if why is not None:
+                note(
+                    f"note: --loss-chunk-tokens {self.chunk_tokens} is not used: {why}; "
+                    "the loss is computed from the whole logits"
+                )
+        return None if self._refused[key] is not None else self.chunk_tokens
 
     def __call__(self, model: nn.Module, batch: Batch) -> LossSum:
         moved = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-        return causal_lm_loss(model, moved, shifted=True)
+        return causal_lm_loss(model, moved, shifted=True, chunk_tokens=self.chunk_for(model))
 
 
 class LogitsOnly(nn.Module):

@@ -86,7 +86,8 @@ def optimizer_memory(cfg: TrainConfig) -> OptimizerMemory:
 def estimate_kwargs(cfg: TrainConfig, device: torch.device, world: int) -> dict:
     """What the analytic model needs besides the shape: precision, sharding (over ``world``
     launched ranks; ``--tp``/``--hsdp``: the 2-D mesh), optimizer,
-    dropout (on CPU with dropout torch's attention takes the math path: s^2 matrices), and
+    dropout (on CPU with dropout torch's attention takes the math path: s^2 matrices), the
+    chunked loss (``--loss-chunk-tokens``: one chunk's logits, not the whole), and
     for an HF model the dtype of its frozen base (LoRA; ``hf_model.param_dtype``)."""
     out = {
         "compute_dtype": _COMPUTE[cfg.precision],
@@ -96,6 +97,7 @@ def estimate_kwargs(cfg: TrainConfig, device: torch.device, world: int) -> dict:
         "optimizer": optimizer_memory(cfg),
         "dropout": cfg.dropout,
         "attention": "math" if cfg.dropout > 0 and device.type == "cpu" else "fused",
+        "loss_chunk_tokens": cfg.loss_chunk_tokens,
     }
     if cfg.is_hf:
         from gradstep_cli.models.hf import param_dtype

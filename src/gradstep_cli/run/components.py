@@ -6,17 +6,19 @@ the same ones as the run (:mod:`.train`), so both import them from here.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from gradstep import optim
+from gradstep import LossSum, optim
 from gradstep_cli.config.settings import TrainConfig
+from gradstep_cli.data.sources import Batch
 from gradstep_cli.models.hf import HFLoss, count_batch
 from gradstep_cli.run.evaluation import LMLoss
 
-__all__ = ["build_optimizer", "describe_optimizer", "loss_for", "optimizer_line"]
+__all__ = ["GPTLoss", "build_optimizer", "describe_optimizer", "loss_for", "optimizer_line"]
 
 MOMENTUM = 0.9
 """SGD's and LARS's momentum."""
@@ -77,6 +79,24 @@ def optimizer_line(described: dict[str, Any]) -> str:
     return f"optimizer: {name}, {', '.join(shown)}; weight decay {groups}"
 
 
+@dataclass(frozen=True)
+class GPTLoss:
+    """``loss_fn`` of the demo GPT with ``--loss-chunk-tokens N``: the loss computed in its
+    forward (``model(ids, labels)``), ``GPTConfig.loss_chunk_tokens`` positions at a time,
+    so the whole logits are never held (and under FSDP2 the head's gathered weight is
+    the one the forward holds)."""
+
+    device: torch.device
+
+    def __call__(self, model: nn.Module, batch: Batch) -> LossSum:
+        ids = batch["input_ids"].to(self.device, non_blocking=True)
+        return model(ids, batch["labels"].to(self.device, non_blocking=True))
+
+
 def loss_for(cfg: TrainConfig, device: torch.device) -> tuple[Callable, Callable | None]:
-    """(loss_fn, count) of the run's model: an HF model's may hold a router aux term."""
-    return (HFLoss(device), count_batch) if cfg.is_hf else (LMLoss(device), None)
+    """(loss_fn, count) of the run's model: an HF model's may hold a router aux term.
+    ``--loss-chunk-tokens N`` (not 0): the chunked loss (:class:`GPTLoss`, the demo GPT
+    built with ``loss_chunk_tokens``; :class:`HFLoss` ``chunk_tokens``)."""
+    if cfg.is_hf:
+        return HFLoss(device, cfg.loss_chunk_tokens), count_batch
+    return (GPTLoss(device) if cfg.loss_chunk_tokens else LMLoss(device)), None

@@ -18,9 +18,14 @@ SHAPE = TransformerShape(n_layer=1, n_head=2, d_model=16, seq_len=16, vocab_size
 
 def analytic(mbs: int, steps: int, checkpointing: bool) -> int:
     """The model's total for the demo GPT with the default flags (fp32, AdamW, one
-    process, no dropout), without the runtime's fixed cost."""
+    process, no dropout, the whole logits: --loss-chunk-tokens 0), without the
+    runtime's fixed cost."""
     est = estimate_step_memory(
-        SHAPE, mbs, accum_steps=steps, activation_checkpointing=checkpointing, optimizer="adamw"
+        SHAPE,
+        mbs,
+        accum_steps=steps,
+        activation_checkpointing=checkpointing,
+        optimizer="adamw",
     )
     return est.total
 
