@@ -30,6 +30,11 @@ much the ratio varies.
 
 Run: ``python bench/finetune.py`` (about 20 minutes on 2 cores) or ``--quick`` (about 5);
 ``--lora 0`` leaves out the LoRA runs. Writes bench/out/finetune.md and finetune.json.
+
+``python bench/finetune.py --vs-trl [FLAGS]`` runs the other comparison instead
+(``finetune_trl.py``, issue 30): ``gradstep train`` through its CLI against TRL's
+``SFTTrainer`` on the same recipe (epochs, linear schedule, Parquet records with field
+mapping, prompt/completion and chat, full and LoRA), TRL in a venv of its own.
 """
 
 from __future__ import annotations
@@ -353,6 +358,11 @@ def _sft_runs(cfg: Config, work: Path, pretrained: Path, data: dict) -> list[lis
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--vs-trl"]:
+        import finetune_trl
+
+        finetune_trl.main(argv[1:])
+        return
     ap = Config.parser(__doc__)
     ap.add_argument("--quick", action="store_true", help="a short run (about 5 minutes)")
     ap.add_argument(

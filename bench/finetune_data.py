@@ -127,18 +127,48 @@ def spread(pairs: Sequence[Pair], limit: int) -> list[Pair]:
     return [pairs[int(i * step)] for i in range(limit)]
 
 
+SYSTEM = "Write the body of the Python function."
+
+
+def messages_of(pair: Pair) -> list[dict[str, str]]:
+    """The pair as a conversation: a system line, the prompt as the user's turn, the
+    completion as the assistant's."""
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": pair.prompt},
+            {"role": "assistant", "content": pair.completion}]  # fmt: skip
+
+
+def encode_chat(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[list[int], list[bool]]:
+    """Tokens and per-token "is a target" of a conversation: the chat template's own tokens
+    and its assistant mask (the ``{% generation %}`` blocks: the assistant's content and
+    ``<|im_end|>``), as TRL's ``assistant_only_loss`` and gradstep's messages records take them."""
+    out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                        return_assistant_tokens_mask=True)  # fmt: skip
+    return list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]]
+
+
+def joint_agrees(tokenizer: Any, pair: Pair) -> bool:
+    """Whether tokenizing prompt + completion as one text (TRL) gives the prompt's tokens
+    then the completion's, as tokenizing them apart (gradstep, :func:`encode_pair`) does:
+    then both train on the same token sequence."""
+    ids, _ = encode_pair(tokenizer, pair)
+    joint = tokenizer(pair.prompt + pair.completion, add_special_tokens=True)["input_ids"]
+    return [*joint, tokenizer.eos_token_id] == ids
+
+
 # ----------------------------------------------------------------------------- folders
 
 
-def base_folder(dest: Path, texts: list[str], shape: dict[str, int]) -> Path:
-    """config.json of a Llama of ``shape`` + a BPE tokenizer trained on ``texts``."""
+def base_folder(dest: Path, texts: list[str], shape: dict[str, int], *, pad: bool = False) -> Path:
+    """config.json of a Llama of ``shape`` + a BPE tokenizer trained on ``texts`` (with its
+    ChatML template, whose assistant turns sit in ``{% generation %}``; with ``pad``, a pad
+    token of its own, ``<|pad|>``, else none)."""
     import _common  # noqa: F401  (puts the repo root on sys.path: tests.support)
 
     # isort: split
     from tests.support.hf_assets import EOS, train_tokenizer
     from transformers import AutoTokenizer, LlamaConfig
 
-    tok_dir = train_tokenizer(texts, dest, vocab_size=shape["vocab_size"])
+    tok_dir = train_tokenizer(texts, dest, vocab_size=shape["vocab_size"], pad=pad)
     eos = AutoTokenizer.from_pretrained(str(tok_dir)).convert_tokens_to_ids(EOS)
     config = LlamaConfig(**shape, bos_token_id=eos, eos_token_id=eos, tie_word_embeddings=False)
     config.save_pretrained(dest)
@@ -152,26 +182,38 @@ def base_folder(dest: Path, texts: list[str], shape: dict[str, int]) -> Path:
 def completion_loss(model_dir: Path, pairs: Sequence[Pair]) -> dict[str, float]:
     """Token-weighted cross-entropy of the completion tokens (+ EOS) of ``pairs`` under the
     model saved in ``model_dir``, in float64, each pair alone and unpadded (so neither
-    trainer's padding convention enters). Also the EOS tokens' mean loss alone."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    trainer's padding convention enters). Also the EOS tokens' mean loss alone, and the
+    token accuracy (argmax = target) over the same tokens."""
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    return scored_loss(model_dir, [encode_pair(tokenizer, pair) for pair in pairs])
+
+
+@torch.no_grad()
+def scored_loss(model_dir: Path, records: Sequence[tuple[list[int], list[bool]]]) -> dict:
+    """The float64 evaluation of :func:`completion_loss` on encoded ``records`` (tokens,
+    per-token "is a target"): token-weighted mean NLL of the targets, their token accuracy,
+    and the mean NLL of each record's last target (its EOS or end-of-turn)."""
+    from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float64).eval()
-    total, count, eos_total = 0.0, 0, 0.0
-    for pair in pairs:
-        ids, target = encode_pair(tokenizer, pair)
+    total, count, correct, eos_total = 0.0, 0, 0, 0.0
+    for ids, target in records:
         x = torch.tensor([ids])
         logits = model(input_ids=x[:, :-1], use_cache=False).logits[0]
         mask = torch.tensor(target[1:])
         nll = torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="none")
         total += float(nll[mask].sum())
         count += int(mask.sum())
-        eos_total += float(nll[-1])  # the last target is the EOS
+        correct += int((logits.argmax(-1) == x[0, 1:])[mask].sum())
+        eos_total += float(nll[mask][-1])  # the last target: EOS (or the turn's end)
     return {
         "loss": total / count,
         "tokens": count,
-        "eos_loss": eos_total / len(pairs),
+        "eos_loss": eos_total / len(records),
         "ppl": math.exp(total / count),
+        "accuracy": correct / count,
     }
 
 
