@@ -21,7 +21,6 @@ from typing import Any
 import torch
 
 from gradstep import parallel
-from gradstep.memory import pin_mmap_threshold
 from gradstep_cli.config.launching import node_range
 from gradstep_cli.config.settings import TrainConfig
 from gradstep_cli.models import parallel_plan
@@ -78,16 +77,15 @@ def launched(cfg: TrainConfig) -> Iterator[Launch]:
     ``--threads`` intra-op CPU threads (0: torch's setting), restored afterwards so that a
     test or a notebook calling ``train()`` keeps its own.
 
-    On CPU, glibc's mmap threshold is pinned for every run, budgeted or not: freed
-    activations then go back to the OS, and the resident set follows the live tensors
-    over a long run. Left adaptive, glibc kept them in its heap: the fine-tuning walk's
-    300-step run peaked at 640 MiB (506 at step 1; its resident set 556 -> 585 MiB), 525
-    pinned (472 at step 1, the data's widest micro-batches by step 10, then flat; resident
-    413 throughout), at the same speed (bench/long_run_memory.py)."""
+    glibc's mmap threshold is left adaptive here: pinning it (what a --memory-budget does,
+    gradstep_cli.plan.budget.settle_process) returns freed activations to the OS, so the
+    resident set follows the live tensors (the fine-tuning walk's 300-step run: resident
+    413 MiB throughout, peak 525, against 556 -> 585 and 640 adaptive;
+    bench/long_run_memory.py), but each step then faults them back in: 0.15-0.25 s of
+    system CPU a step on that job, 1.4x the unpinned step (bench/finetune_trl.py). Without
+    a budget, speed wins."""
     owns_group = not parallel.is_initialized()
     env = parallel.init(cfg.device, timeout_s=cfg.collective_timeout)
-    if env.device.type == "cpu":
-        pin_mmap_threshold()  # affects what is allocated from here on
     previous = torch.get_num_threads()
     try:
         with parallel.quiet_unless_main():
