@@ -7,16 +7,16 @@ name, in the run's own folder (from its newest checkpoint or an older one named 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from gradstep.checkpoint import MANIFEST
 from gradstep_cli.cli import main as gradstep_main
+from tests.parallel import node_ranks
 from tests.support.batches import text_corpus
 
 TOY = [
@@ -31,26 +31,22 @@ def windows(out: Path) -> list[int]:
     return [json.loads(line)["window"] for line in text.splitlines() if line.endswith("}")]
 
 
-def run_until_killed(args: list[str], out: Path, after: int) -> None:
-    """Start ``gradstep train ARGS`` and SIGKILL it once ``after`` steps are logged and a
-    checkpoint exists (mid-run, as the walk did)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gradstep", "train", *args],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+def run_until_killed(args: list[str], out: Path, at: int, after: int) -> None:
+    """Run ``gradstep train ARGS`` and SIGKILL it as it enters its ``at``-th step, once its
+    step-``after`` checkpoint is published (tests/parallel/node_ranks.py's hook: a kill
+    from outside that polls the folder races the tiny model's steps, and under load it
+    once landed just after a checkpoint, with no step past it to log twice)."""
+    mark = out.parent / f"{out.name}.killed"
+    env = node_ranks.launch_env(**{
+        "RANK": "0", node_ranks.KILL_RANK: "0", node_ranks.KILL_AT: str(at),
+        node_ranks.KILL_AFTER: str(out / "checkpoints" / f"step-{after:06d}" / MANIFEST),
+        node_ranks.KILL_MARK: str(mark),
+    })  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.parallel.node_ranks", "train", *args],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=240,
     )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and proc.poll() is None:
-            logged = out / "metrics.jsonl"
-            enough = logged.exists() and len(logged.read_text().splitlines()) >= after
-            if enough and any((out / "checkpoints").glob("step-*")):
-                break
-            time.sleep(0.05)
-        assert proc.poll() is None, "the run ended before it could be killed"
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+    assert done.returncode == -signal.SIGKILL and mark.exists(), done.returncode
 
 
 @pytest.mark.timeout(600)
@@ -59,15 +55,16 @@ def test_each_step_is_logged_once_after_a_sigkill_and_resumes(tmp_path: Path) ->
     first = tmp_path / "first"
     base = [*TOY, "--data", str(corpus), "--save-every", "4", "--keep-checkpoints", "10"]
     assert gradstep_main(["train", *base, "--max-steps", "8", "--out", str(first)]) == 0
-    # Another folder, from the first run's step-8 checkpoint: killed after its step 8 + 10.
+    # Another folder, from the first run's step-8 checkpoint: killed entering its 11th step
+    # (window 19), after its step-16 checkpoint: windows 17-18 are logged past it.
     other = tmp_path / "other"
     long = ["--max-steps", "100000"]
     resume = ["--resume", str(first / "checkpoints" / "step-000008")]
-    run_until_killed([*base, *resume, *long, "--out", str(other)], other, after=10)
+    run_until_killed([*base, *resume, *long, "--out", str(other)], other, at=11, after=16)
     logged = windows(other)
-    assert logged[0] == 9 and len(logged) >= 10, logged
+    assert logged == list(range(9, 19)), logged
     saved = max(int(p.name.split("-")[1]) for p in (other / "checkpoints").glob("step-*"))
-    assert saved < logged[-1], (saved, logged)  # steps after the checkpoint are run again
+    assert saved == 16, (saved, logged)  # steps after the checkpoint are run again
     end = logged[-1] + 3
     assert gradstep_main(["train", "--out", str(other), "--resume", "--max-steps", str(end)]) == 0
     assert windows(other) == list(range(9, end + 1))
