@@ -28,6 +28,7 @@ from typing import Any, Protocol, TextIO, runtime_checkable
 import torch
 
 from .step.stepper import StepStats
+from .trackers import TENSORBOARD_TAGS, tracker_sinks
 
 __all__ = [
     "FINISHED_FILE",
@@ -45,29 +46,6 @@ Record = dict[str, Any]
 FINISHED_FILE = "metrics.finished.json"
 """Written into the run folder by :meth:`MetricsLogger.finish`: the run ended normally.
 ``gradstep report`` shows a run without it as "in progress"."""
-
-# Record keys written to TensorBoard, and their tags. Booleans become 0/1 so clip and skip
-# events are visible as curves; strings and lists (skip_reason, policies) stay in the JSON.
-TENSORBOARD_TAGS: dict[str, str] = {
-    "loss": "train/loss",
-    "val_loss": "val/loss",
-    "val_accuracy": "val/accuracy",
-    "val_entropy": "val/entropy",
-    "val_items": "val/items",
-    "val_records": "val/records",
-    "grad_norm": "grad/norm_pre_clip",
-    "post_clip_norm": "grad/norm_post_clip",
-    "clip_coef": "grad/clip_coef",
-    "clip_threshold": "grad/clip_threshold",
-    "clipped": "grad/clipped",
-    "skipped": "grad/skipped",
-    "lr": "opt/lr",
-    "loss_scale": "opt/loss_scale",
-    "items": "perf/items",
-    "tokens_per_s": "perf/tokens_per_s",
-    "step_time_s": "perf/step_time_s",
-    "peak_memory_mb": "perf/peak_memory_mb",
-}
 
 
 def jsonable(value: Any) -> Any:
@@ -283,8 +261,6 @@ class MetricsLogger:
         ids: Mapping[str, str] | None,
     ) -> dict[str, Any]:
         """W&B and MLflow sinks by name; the sinks opened so far are closed if one fails."""
-        from .trackers import tracker_sinks
-
         wanted = [name for name in names if name != "tensorboard"]
         try:
             made = tracker_sinks(

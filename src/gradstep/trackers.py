@@ -3,7 +3,7 @@ libraries, which gradstep never needs (``pip install 'gradstep[wandb]'`` / ``'gr
 
 Each sink takes the records :class:`~gradstep.metrics.MetricsLogger` builds and logs their
 numeric fields under the TensorBoard tags (``train/loss``, ``val/loss``, ``grad/norm_pre_clip``,
-...: :data:`~gradstep.metrics.TENSORBOARD_TAGS`), at the window index as the step, so the three
+...: :data:`TENSORBOARD_TAGS`), at the window index as the step, so the three
 trackers show the same curves as ``metrics.jsonl``. Where a tracker logs to is its own
 library's business, set the usual way: ``WANDB_MODE=offline``, ``WANDB_DIR``,
 ``WANDB_PROJECT``; ``MLFLOW_TRACKING_URI`` (MLflow 3 refuses its ``file:`` store unless
@@ -24,7 +24,40 @@ from typing import Any
 
 from .errors import GradstepError
 
-__all__ = ["TRACKERS", "MLflowSink", "TrackerError", "WandbSink", "scalars", "tracker_sinks"]
+__all__ = [
+    "TENSORBOARD_TAGS",
+    "TRACKERS",
+    "MLflowSink",
+    "TrackerError",
+    "WandbSink",
+    "scalars",
+    "tracker_sinks",
+]
+
+# Record keys written to TensorBoard (the logger's own sink) and to W&B and MLflow, and their
+# tags. Booleans become 0/1 so clip and skip events are visible as curves; strings and lists
+# (skip_reason, policies) stay in the JSON. Defined here so that metrics imports trackers and
+# never the reverse.
+TENSORBOARD_TAGS: dict[str, str] = {
+    "loss": "train/loss",
+    "val_loss": "val/loss",
+    "val_accuracy": "val/accuracy",
+    "val_entropy": "val/entropy",
+    "val_items": "val/items",
+    "val_records": "val/records",
+    "grad_norm": "grad/norm_pre_clip",
+    "post_clip_norm": "grad/norm_post_clip",
+    "clip_coef": "grad/clip_coef",
+    "clip_threshold": "grad/clip_threshold",
+    "clipped": "grad/clipped",
+    "skipped": "grad/skipped",
+    "lr": "opt/lr",
+    "loss_scale": "opt/loss_scale",
+    "items": "perf/items",
+    "tokens_per_s": "perf/tokens_per_s",
+    "step_time_s": "perf/step_time_s",
+    "peak_memory_mb": "perf/peak_memory_mb",
+}
 
 TRACKERS = ("tensorboard", "wandb", "mlflow")
 """What ``--report-to`` (``MetricsLogger(report_to=...)``) can name."""
@@ -62,12 +95,6 @@ def scalars(record: Mapping[str, Any], tags: Mapping[str, str]) -> dict[str, flo
     return out
 
 
-def _tags() -> dict[str, str]:
-    from .metrics import TENSORBOARD_TAGS
-
-    return dict(TENSORBOARD_TAGS)
-
-
 class WandbSink:
     """Logs every record to a W&B run (``wandb.init``: project ``WANDB_PROJECT`` or
     ``gradstep``, files under ``WANDB_DIR`` or ``log_dir``)."""
@@ -82,7 +109,7 @@ class WandbSink:
         run_id: str | None = None,
     ) -> None:
         wandb = _import("wandb")
-        self.tags = _tags()
+        self.tags = dict(TENSORBOARD_TAGS)
         self._index = int(start_index)
         directory = os.environ.get("WANDB_DIR") or (None if log_dir is None else str(log_dir))
         if directory is not None:
@@ -124,7 +151,7 @@ class MLflowSink:
         run_id: str | None = None,
     ) -> None:
         mlflow = _import("mlflow")
-        self.tags = _tags()
+        self.tags = dict(TENSORBOARD_TAGS)
         self._index = int(start_index)
         self._entities = mlflow.entities
         try:
