@@ -1,7 +1,8 @@
 """``--loss-chunk-tokens N`` (issue 31 §2): checked as an int >= 0 with an error naming the
 flag, off by default (evaluation still holds a micro-batch's whole logits, so a plan that
-counted only chunks could break the budget there), and what the run's loss function and the demo GPT's
-shape get from it. The runs themselves: tests/integration/cli/test_chunked_loss_runs.py."""
+counted only chunks could break the budget there), and what the run's loss function and the
+demo GPT's shape get from it. The runs themselves:
+tests/integration/cli/test_chunked_loss_runs.py."""
 
 from __future__ import annotations
 
