@@ -87,6 +87,11 @@ class DataFields:
         None, 'a JSON object passed to the chat template, e.g. {"enable_thinking": false}'
     )
     seq_len: int = _f(128, "maximum tokens (bytes) per sequence")
+    packing: bool = _f(
+        False, "pack whole sequences (documents' spans, records) into rows of --seq-len tokens "
+        "without padding; attention never crosses a sequence (a block-causal mask; an HF "
+        "attention implementation not shown exact is refused, naming it)",
+    )  # fmt: skip
 
     @property
     def template_kwargs(self) -> dict[str, Any]:

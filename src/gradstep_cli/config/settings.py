@@ -145,11 +145,17 @@ class TrainConfig(RecipeFields, LaunchFields, DataFields):
     )
     loss_chunk_tokens: int = _f(
         "model",
-        0,
-        "compute the training loss's output projection and cross-entropy this many tokens at "
-        "a time (e.g. 1024), so the step never holds the whole (tokens x vocab) logits (0: the "
+        1024,
+        "compute the loss's output projection and cross-entropy (training and evaluation) this "
+        "many tokens at a time, so no step holds the whole (tokens x vocab) logits (0: the "
         "whole logits at once); a LoRA-adapted or soft-capped head falls back to the whole "
-        "logits, with a note. Evaluation still holds one micro-batch's logits",
+        "logits, with a note",
+    )
+    compile: bool = _f(
+        "model",
+        False,
+        "torch.compile each transformer block (fixed shapes with --packing); the compile "
+        "time is reported",
     )
     micro_batch_size: int | str = _f(
         "batch",

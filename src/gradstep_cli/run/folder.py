@@ -80,6 +80,8 @@ CONTINUABLE = frozenset(
         "sample_prompts",
         "memory_budget",
         "activation_checkpointing",
+        "loss_chunk_tokens",
+        "compile",
     }
 )
 # With an exact global batch the split into micro-batches is only a memory setting.
