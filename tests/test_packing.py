@@ -84,7 +84,12 @@ def test_bad_arguments_are_named() -> None:
 pytest.importorskip("transformers")
 
 from gradstep.hf import causal_lm_loss  # noqa: E402
-from gradstep.packing import mask_for  # noqa: E402
+from gradstep.packing import (  # noqa: E402
+    EXACT_ATTENTION,
+    EXACT_FAMILIES,
+    check_exact,
+    mask_for,
+)
 from tests.support import hf_assets  # noqa: E402
 
 LENGTHS = (7, 3, 11, 1, 5, 9)
@@ -132,8 +137,8 @@ def _close(got: dict, want: dict) -> None:
         assert float((got[name] - w).norm()) <= EXACT * whole, name
 
 
-@pytest.mark.parametrize("impl", ["sdpa", "eager"])
-@pytest.mark.parametrize("family", hf_assets.FAMILIES)
+@pytest.mark.parametrize("impl", EXACT_ATTENTION)
+@pytest.mark.parametrize("family", EXACT_FAMILIES)
 def test_a_packed_micro_batch_equals_each_sequence_alone(family: str, impl: str) -> None:
     model = _model(family, impl)
     seqs = _sequences()
@@ -214,3 +219,30 @@ def test_the_documented_example_runs() -> None:
         exec(compile(block, str(page), "exec"), scope)  # noqa: S102
     assert scope["rows"] == [[0, 1], [2, 3], [4]]
     assert scope["stats"].items == int(scope["loss"].count) == 35
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_check_exact_passes_a_family_shown_exact(family: str) -> None:
+    check_exact(hf_assets.build_model(family, seed=0, attn_implementation="sdpa"))
+
+
+def test_check_exact_refuses_a_family_or_implementation_not_shown_exact() -> None:
+    phi = hf_assets.build_model("phi", seed=0, attn_implementation="sdpa")
+    with pytest.raises(ValueError, match="not shown exact for the family 'phi' under the "
+                       "attention implementation 'sdpa'"):  # fmt: skip
+        check_exact(phi)
+    llama = hf_assets.build_model("llama", seed=0, attn_implementation="sdpa")
+    llama.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="'llama' under the attention implementation "
+                       "'flash_attention_2'"):  # fmt: skip
+        check_exact(llama)
+
+
+def test_check_exact_measures_the_model_itself(monkeypatch) -> None:
+    """A family in the table whose model still leaks (e.g. a custom attention) is refused."""
+    import gradstep.packing as packing
+
+    model = hf_assets.build_model("llama", seed=0, attn_implementation="sdpa")
+    monkeypatch.setattr(packing, "max_leak", lambda m: 0.2)
+    with pytest.raises(ValueError, match="lets packed sequences attend to each other"):
+        packing.check_exact(model)

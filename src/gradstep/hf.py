@@ -36,6 +36,7 @@ __all__ = [
     "causal_lm_targets",
     "chunkable",
     "count_tokens",
+    "forward_hidden",
 ]
 
 IGNORE_INDEX = -100
@@ -289,6 +290,18 @@ def _forward_hidden(model: nn.Module, batch: Mapping[str, Any], router: bool) ->
     finally:
         hf.set_output_embeddings(head)
     return out, out.logits, head
+
+
+def forward_hidden(model: nn.Module, batch: Mapping[str, Any]) -> tuple[torch.Tensor, nn.Module]:
+    """(hidden states, output projection): the forward of ``batch`` (the keys
+    :func:`causal_lm_loss` passes) stopped before the projection, so a caller can apply it a
+    few positions at a time (evaluation without the whole logits). Refused as
+    :func:`chunkable` says (a ``ValueError``)."""
+    why = chunkable(model)
+    if why is not None:
+        raise ValueError(f"forward_hidden: the projection cannot be left out: {why}")
+    _, hidden, head = _forward_hidden(model, batch, router=False)
+    return hidden, head
 
 
 def causal_lm_loss(

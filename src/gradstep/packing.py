@@ -25,6 +25,7 @@ sum of its sequences' (nothing changes in the step's normalisation).
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,7 +34,9 @@ from torch import nn
 
 __all__ = [
     "EXACT_ATTENTION",
+    "EXACT_FAMILIES",
     "block_causal_mask",
+    "check_exact",
     "mask_for",
     "max_leak",
     "pack",
@@ -43,6 +46,15 @@ __all__ = [
 EXACT_ATTENTION = ("sdpa", "eager")
 """Attention implementations whose 4-D masks :func:`mask_for` builds (``flash_attention_*``
 reads sequence boundaries from ``cu_seqlens`` instead, on CUDA only: not built here)."""
+
+
+EXACT_FAMILIES = ("llama", "qwen2", "phi3", "gpt_neox", "opt", "qwen2_moe", "olmoe")
+"""Hugging Face model types (``config.model_type``) whose packed rows the test suite shows
+equal to each sequence run alone, under each implementation of :data:`EXACT_ATTENTION`
+(loss, count and gradient, float64, 1e-12 relative: ``tests/test_packing.py``)."""
+
+LEAK_TOLERANCE = 1e-3
+""":func:`check_exact`'s bound on :func:`max_leak` in float32/float64 (a leak is ~0.2)."""
 
 
 def plan_rows(lengths: Sequence[int], row_tokens: int, order: str = "stream") -> list[list[int]]:
@@ -78,17 +90,23 @@ def plan_rows(lengths: Sequence[int], row_tokens: int, order: str = "stream") ->
 
 
 def _best_fit_decreasing(lengths: Sequence[int], row_tokens: int) -> list[list[int]]:
+    """Longest first, each into the row it fills most (the fullest that still holds it;
+    ties: the row opened first). ``free`` is kept sorted by (room, row): a binary search
+    finds that row, so packing costs O(n log rows), not a scan of every row."""
     rows: list[list[int]] = []
-    free: list[int] = []
+    free: list[tuple[int, int]] = []
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        fits = [r for r, room in enumerate(free) if room >= lengths[i]]
-        if fits:
-            best = min(fits, key=lambda r: (free[r], r))
-            rows[best].append(i)
-            free[best] -= lengths[i]
+        n = lengths[i]
+        at = bisect.bisect_left(free, (n, -1))
+        if at < len(free):
+            room, r = free.pop(at)
+            rows[r].append(i)
+            if room > n:
+                bisect.insort(free, (room - n, r))
         else:
             rows.append([i])
-            free.append(row_tokens - lengths[i])
+            if row_tokens > n:
+                bisect.insort(free, (row_tokens - n, len(rows) - 1))
     return rows
 
 
@@ -203,3 +221,32 @@ def _offsets(seqs: list[torch.Tensor], alone: list[torch.Tensor]) -> list[tuple]
         out.append((at, s, a))
         at += len(s)
     return out
+
+
+def check_exact(model: nn.Module) -> None:
+    """Raise ``ValueError`` unless packed rows are exact for ``model`` (an HF causal LM):
+    its family is in :data:`EXACT_FAMILIES` and its attention implementation in
+    :data:`EXACT_ATTENTION` (the message names both), and, in float32/float64, the model
+    itself shows no leak (:func:`max_leak` below :data:`LEAK_TOLERANCE`)."""
+    from .parallel import unwrap
+
+    inner = unwrap(model)
+    get = getattr(inner, "get_base_model", None)
+    config = getattr(get() if callable(get) else inner, "config", None)
+    family, impl = getattr(config, "model_type", None), _implementation(model)
+    if family not in EXACT_FAMILIES or impl not in EXACT_ATTENTION:
+        raise ValueError(
+            f"packing: not shown exact for the family {family!r} under the attention "
+            f"implementation {impl!r} (exact: families {', '.join(EXACT_FAMILIES)} under "
+            f"{' or '.join(EXACT_ATTENTION)}); train without packing, or with "
+            "attn_implementation='sdpa' on one of those families"
+        )
+    dtype = inner.get_input_embeddings().weight.dtype
+    if dtype in (torch.float32, torch.float64):
+        leak = max_leak(model)
+        if leak > LEAK_TOLERANCE:
+            raise ValueError(
+                f"packing: the {family!r} model under {impl!r} lets packed sequences attend "
+                f"to each other (logits {leak:.3g} away from each sequence alone); train "
+                "without packing"
+            )

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from gradstep import parallel, windows
-from gradstep_cli.config.preflight import check_global_batch
+from gradstep_cli.config.preflight import check_global_batch, note
 from gradstep_cli.config.settings import ConfigError, TrainConfig
 from gradstep_cli.data.sources import (
     IGNORE_INDEX,
@@ -65,17 +65,19 @@ def layout_for(cfg: TrainConfig, world: int, micro_batch_size: int | None = None
     return Layout(mbs, math.ceil(rows / mbs), rows)
 
 
+# What pads each key of a row: padding carries no loss and is a sequence of its own (-1).
+_PAD = {"input_ids": PAD_ID, "labels": IGNORE_INDEX, "seq_ids": -1, "position_ids": 0}
+
+
 def merge_rows(batches: Sequence[Batch]) -> Batch:
-    """One micro-batch from several, right-padded to the widest (padding carries no loss)."""
+    """One micro-batch from several, right-padded to the widest (padding carries no loss;
+    packed rows are all ``--seq-len`` wide)."""
     width = max(b["input_ids"].shape[1] for b in batches)
 
     def pad(t: torch.Tensor, value: int) -> torch.Tensor:
         return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
 
-    return {
-        "input_ids": torch.cat([pad(b["input_ids"], PAD_ID) for b in batches]),
-        "labels": torch.cat([pad(b["labels"], IGNORE_INDEX) for b in batches]),
-    }
+    return {key: torch.cat([pad(b[key], _PAD[key]) for b in batches]) for key in batches[0]}
 
 
 def windows_of(stream: Iterator[Batch], layout: Layout) -> Iterator[list[Batch]]:
@@ -94,9 +96,17 @@ def rank_batches(
 ) -> tuple[TrainBatches, list[Batch]]:
     """This rank's resumable training stream and its validation batches."""
     try:
-        train_iter = source.train_batches(cfg.seq_len, layout.stream_rows, cfg.seed, rank, world)
+        train_iter = source.train_batches(
+            cfg.seq_len, layout.stream_rows, cfg.seed, rank, world, packing=cfg.packing
+        )
     except DataError as exc:  # too few rows: say what the split took away
         raise DataError(f"{exc}{source.held}") from None
+    if cfg.packing:
+        note(
+            f"packing: {train_iter.epoch_sequences(0):,} sequences an epoch in "
+            f"{train_iter.epoch_rows(0):,} rows of --seq-len {cfg.seq_len} (padding "
+            f"{train_iter.padding(0):.2%} of the positions); attention never crosses a sequence"
+        )
     val = source.validation_batches(
         cfg.seq_len, layout.micro_batch_size, cfg.eval_batches, rank, world
     )

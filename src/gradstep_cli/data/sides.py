@@ -11,14 +11,8 @@ from typing import Any
 import numpy as np
 
 from gradstep_cli.data.records import BadRecords
-from gradstep_cli.data.tokenized import (
-    FULL_FRAC,
-    Sequences,
-    TrainBatches,
-    ValidationBatches,
-    plural_records,
-    validation_batches,
-)
+from gradstep_cli.data.tokenized import FULL_FRAC, Sequences, TrainBatches, plural_records
+from gradstep_cli.data.validation import ValidationBatches, validation_batches
 
 __all__ = ["Prepared", "Side", "TextSource"]
 
@@ -126,10 +120,11 @@ class TextSource:
         return line
 
     def train_batches(
-        self, seq_len: int, rows: int, seed: int, rank: int, world_size: int
+        self, seq_len: int, rows: int, seed: int, rank: int, world_size: int, packing: bool = False
     ) -> TrainBatches:
-        """This rank's resumable stream of training micro-batches of ``rows`` sequences."""
-        return TrainBatches(self.train.data, seq_len, rows, seed, rank, world_size)
+        """This rank's resumable stream of training micro-batches of ``rows`` sequences
+        (``packing``: of ``rows`` rows of ``seq_len`` positions, whole sequences packed)."""
+        return TrainBatches(self.train.data, seq_len, rows, seed, rank, world_size, packing=packing)
 
     def validation_batches(
         self, seq_len: int, rows: int, num_batches: int | None, rank: int, world_size: int

@@ -52,8 +52,8 @@ from gradstep_cli.data.tokenized import (
     Document,
     TrainBatches,
     plural_records,
-    validation_batches,
 )
+from gradstep_cli.data.validation import validation_batches
 
 __all__ = [
     "IGNORE_INDEX",

@@ -18,7 +18,7 @@ every document and completion ends with, may be the tokenizer's pad token too).
 The buffer holds the tokenizer's ids, or UTF-8 bytes for the demo GPT
 (:class:`~gradstep_cli.data.records.Encoder` makes them), in memory or in a token store
 on disk (:mod:`.store`), read a row at a time. :class:`TrainBatches` is the resumable,
-rank-sharded stream over it, :func:`validation_batches` the fixed evaluation set.
+rank-sharded stream over it (:mod:`.validation`: the fixed evaluation set).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from gradstep_cli.data.packed import pack_epoch, packed_batch
 from gradstep_cli.data.records import DataError, Encoded
 from gradstep_cli.data.store import StoreFile
 
@@ -43,10 +44,9 @@ __all__ = [
     "Batch",
     "Document",
     "Sequences",
+    "as_sequences",
     "TrainBatches",
-    "ValidationBatches",
     "plural_records",
-    "validation_batches",
 ]
 
 Batch = dict[str, torch.Tensor]
@@ -197,22 +197,26 @@ class Sequences:
             return part.read(start, count)
         return part[start : start + count]
 
+    def row(self, start: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """The span ``(start, n)``: its ``n - 1`` input ids and shifted targets (-100 where
+        the token is not trainable), as int64."""
+        tokens = self._read(self.ids, start, n)
+        targets = tokens[1:].astype(np.int64)
+        if self.trainable is not None:
+            targets[~self._read(self.trainable, start + 1, n - 1)] = IGNORE_INDEX
+        return tokens[:-1].astype(np.int64), targets
+
     def batch(self, spans: np.ndarray) -> Batch:
         """The rows of ``spans``, right-padded: ``input_ids`` (pad 0) and shifted ``labels``."""
         width = int(spans[:, 1].max()) - 1
         input_ids = np.full((len(spans), width), PAD_ID, dtype=np.int64)
         labels = np.full((len(spans), width), IGNORE_INDEX, dtype=np.int64)
         for row, (s, n) in enumerate(spans.tolist()):
-            tokens = self._read(self.ids, s, n)
-            input_ids[row, : n - 1] = tokens[:-1]
-            targets = tokens[1:].astype(np.int64)
-            if self.trainable is not None:
-                targets[~self._read(self.trainable, s + 1, n - 1)] = IGNORE_INDEX
-            labels[row, : n - 1] = targets
+            input_ids[row, : n - 1], labels[row, : n - 1] = self.row(s, n)
         return {"input_ids": torch.from_numpy(input_ids), "labels": torch.from_numpy(labels)}
 
 
-def _sequences(data: Sequence[Document] | Sequences) -> Sequences:
+def as_sequences(data: Sequence[Document] | Sequences) -> Sequences:
     """Byte documents as a :class:`Sequences` (what the stream reads); one as is."""
     if isinstance(data, Sequences):
         return data
@@ -227,6 +231,8 @@ class TrainBatches(Iterator[Batch]):
     micro-batches of ``micro_batch_size`` rows in that order; the epoch's last micro-batch
     holds the rows left (fewer when they do not divide), so every row of an epoch trains
     exactly once (the exact step weights a micro-batch by its tokens, not its rows).
+    ``packing=True``: the shuffled rows are whole spans packed into rows of ``seq_len``
+    positions (:mod:`.packed`), and micro-batches are of ``micro_batch_size`` such rows.
     ``state_dict()`` is the position of the next micro-batch this rank will yield.
     """
 
@@ -239,12 +245,15 @@ class TrainBatches(Iterator[Batch]):
         rank: int = 0,
         world_size: int = 1,
         full_frac: float = FULL_FRAC,
+        packing: bool = False,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
         self.seq_len, self.micro_batch_size, self.seed = seq_len, micro_batch_size, seed
         self.rank, self.world_size, self.full_frac = rank, world_size, full_frac
-        self._data = _sequences(docs)
+        self.packing = packing
+        self._padding = 0.0
+        self._data = as_sequences(docs)
         self.epoch, self.index = 0, rank
         self._plan_epoch: int | None = None
         self._plan: list[np.ndarray] = []
@@ -255,20 +264,39 @@ class TrainBatches(Iterator[Batch]):
         return len(self._epoch_plan(epoch))
 
     def epoch_rows(self, epoch: int) -> int:
-        """Rows (sequences) of epoch ``epoch``: one per record, a document's chunks."""
+        """Rows of epoch ``epoch``: one per record, a document's chunks (packed: the rows
+        they were packed into)."""
         return sum(len(batch) for batch in self._epoch_plan(epoch))
 
-    def _epoch_plan(self, epoch: int) -> list[np.ndarray]:
-        """Micro-batches of epoch ``epoch`` as ``(rows, 2)`` spans, every row once (cached)."""
+    def epoch_sequences(self, epoch: int) -> int:
+        """Sequences (spans) of epoch ``epoch``: its rows' unpacked, the packed rows' parts."""
+        plan = self._epoch_plan(epoch)
+        return (
+            sum(len(row) for batch in plan for row in batch)
+            if self.packing
+            else self.epoch_rows(epoch)
+        )
+
+    def padding(self, epoch: int = 0) -> float:
+        """Share of epoch ``epoch``'s packed positions that are padding (0 unpacked)."""
+        self._epoch_plan(epoch)
+        return self._padding
+
+    def _epoch_plan(self, epoch: int) -> list[Any]:
+        """Micro-batches of epoch ``epoch``, every span once (cached): ``(rows, 2)`` spans, or
+        packed, a list of each row's spans."""
         if self._plan_epoch != epoch:
             rng = np.random.default_rng([self.seed, epoch])
             spans = self._data.spans(self.seq_len, rng, self.full_frac)
             spans = spans[rng.permutation(len(spans))]
+            if self.packing:
+                spans, self._padding = pack_epoch(spans, self.seq_len, rng)
             n = len(spans) // self.micro_batch_size  # full ones: one for every rank
             if n < self.world_size:
                 rows, smaller = len(spans), " or a smaller --micro-batch-size"
+                unit = "packed row" if self.packing else "sequence"
                 raise DataError(
-                    f"training data yields {plural(rows, 'sequence')} per epoch, {n} "
+                    f"training data yields {plural(rows, unit)} per epoch, {n} "
                     f"micro-batches of {self.micro_batch_size}: fewer than the "
                     f"{self.world_size} needed (one per data-parallel rank); use more data"
                     + (smaller if self.micro_batch_size > 1 else "")
@@ -284,7 +312,11 @@ class TrainBatches(Iterator[Batch]):
             self.index -= len(plan)
             self.epoch += 1
             plan = self._epoch_plan(self.epoch)
-        batch = self._data.batch(plan[self.index])
+        item = plan[self.index]
+        if self.packing:
+            batch = packed_batch(self._data, item, self.seq_len)
+        else:
+            batch = self._data.batch(item)
         self.index += self.world_size
         return batch
 
@@ -298,6 +330,7 @@ class TrainBatches(Iterator[Batch]):
             "world_size": self.world_size,
             "seq_len": self.seq_len,
             "micro_batch_size": self.micro_batch_size,
+            "packing": self.packing,
             "data_bytes": len(self._data),  # tokens, for tokenized data (the name is older)
             "data_digest": self._data.digest(),
         }
@@ -313,7 +346,7 @@ class TrainBatches(Iterator[Batch]):
         (other data, tokenizer, split or records: the digest of its tokens differs).
         """
         mine = self.state_dict()
-        for key in ("seed", "seq_len", "micro_batch_size", "data_bytes", "data_digest"):
+        for key in ("seed", "seq_len", "micro_batch_size", "packing", "data_bytes", "data_digest"):
             if state.get(key, mine[key]) != mine[key]:
                 why = DATA_CHANGED if key.startswith("data_") else ""
                 raise ValueError(
@@ -321,57 +354,6 @@ class TrainBatches(Iterator[Batch]):
                 )
         position = int(state["index"]) - int(state.get("rank", 0))
         self.epoch, self.index = int(state["epoch"]), position + self.rank
-
-
-class ValidationBatches(Sequence[Batch]):
-    """This rank's validation micro-batches, made when read (a whole validation set is not
-    held in memory): each is a group of spans, or the filler (its first batch with no
-    target)."""
-
-    def __init__(self, data: Sequences, groups: list[np.ndarray], filler: bool = False) -> None:
-        self._data, self._items = data, [(g, False) for g in groups]
-        if filler and groups:
-            self._items.append((groups[0], True))
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __getitem__(self, index: Any) -> Any:
-        if isinstance(index, slice):
-            out = ValidationBatches(self._data, [])
-            out._items = self._items[index]
-            return out
-        spans, filler = self._items[index]
-        batch = self._data.batch(spans)
-        if filler:
-            batch["labels"] = torch.full_like(batch["labels"], IGNORE_INDEX)
-        return batch
-
-
-def validation_batches(
-    docs: Sequence[Document] | Sequences,
-    seq_len: int,
-    micro_batch_size: int,
-    num_batches: int | None = None,
-    rank: int = 0,
-    world_size: int = 1,
-) -> ValidationBatches:
-    """The validation micro-batches (this rank's stride of them): every sequence once, or a
-    fixed sample of ``num_batches`` micro-batches.
-
-    Document spans are full length (documents still end mid-span), records are one row
-    each; all are shuffled with a fixed, seed-independent generator, so validation loss is
-    comparable across runs and seeds, and a sample covers many files, not just the first
-    few. Every rank gets as many batches (FSDP2's forwards all-gather): a rank short of one
-    gets a copy of its first batch with no target, which scores nothing.
-    """
-    data = _sequences(docs)
-    spans = data.spans(seq_len, None, 1.0)
-    spans = spans[np.random.default_rng(0).permutation(len(spans))]
-    rows = len(spans) if num_batches is None else min(len(spans), num_batches * micro_batch_size)
-    groups = [spans[i : i + micro_batch_size] for i in range(0, rows, micro_batch_size)]
-    mine = groups[rank::world_size]
-    return ValidationBatches(data, mine, filler=len(mine) < -(-len(groups) // world_size))
 
 
 def plural(n: int, word: str) -> str:

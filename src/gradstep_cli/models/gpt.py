@@ -225,6 +225,7 @@ class GPT(nn.Module):
         *,
         seq_ids: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        hidden: bool = False,
     ) -> torch.Tensor | LossSum:
         """``(B, T)`` ids to ``(B, T, vocab)`` logits, or with ``labels`` (aligned with the ids:
         ``labels[:, t]`` is position ``t``'s target, -100 for none) their summed
@@ -234,7 +235,9 @@ class GPT(nn.Module):
         in its row; a position attends only to earlier positions of its own sequence, and
         its rotary position counts from its sequence's start (``position_ids``, derived
         from ``seq_ids`` when not given). ``position_ids`` alone is refused: without the
-        mask, packed sequences would attend to each other.
+        mask, packed sequences would attend to each other. ``hidden=True``: the final
+        norm's output instead, the output projection's input (evaluation applies the
+        projection a chunk of positions at a time).
         """
         t = input_ids.shape[1]
         if t > self.config.max_seq_len:
@@ -254,15 +257,17 @@ class GPT(nn.Module):
             mask, cos, sin = self._packed(seq_ids, position_ids, x)
         for block in self.blocks:
             x = block(x, cos, sin, mask)
-        hidden = self.norm(x)
+        out = self.norm(x)
+        if hidden:  # the projection's input: evaluation applies it a chunk at a time
+            return out
         if labels is None:
-            return self.lm_head(hidden)
+            return self.lm_head(out)
         chunk = self.config.loss_chunk_tokens
         if chunk is None:
-            return token_loss(self.lm_head(hidden), labels)
+            return token_loss(self.lm_head(out), labels)
         # The head's weight as this forward sees it: under FSDP2 the gathered one.
         return chunked_token_loss(
-            hidden, self.lm_head.weight, labels, self.lm_head.bias, chunk_tokens=chunk
+            out, self.lm_head.weight, labels, self.lm_head.bias, chunk_tokens=chunk
         )
 
     def _packed(

@@ -17,19 +17,16 @@ import contextlib
 import pickle
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from gradstep import LossSum
-from gradstep.hf import causal_lm_loss, chunkable, count_tokens
 from gradstep_cli.config.preflight import note
 from gradstep_cli.config.settings import ConfigError, TrainConfig
-from gradstep_cli.data.sources import Batch
 from gradstep_cli.models.gpt import GPT, GPTConfig
+from gradstep_cli.models.hf_loss import HFLoss, LogitsOnly, count_batch
 
 __all__ = [
     "HFLoss", "LogitsOnly", "build_model", "count_batch", "gpt_config", "hf_config",
@@ -51,15 +48,27 @@ def build_model(cfg: TrainConfig, config: Any = None) -> nn.Module:
     if not cfg.is_hf:
         return GPT(gpt_config(cfg) if config is None else config)
     model = _pretrained_or_random(cfg, hf_config(cfg) if config is None else config)
-    if not cfg.lora:
-        return model
-    from gradstep_cli.models.lora import (
-        add_lora,  # it reads this module's notes: imported when used
-    )
+    if cfg.lora:
+        from gradstep_cli.models.lora import (
+            add_lora,  # it reads this module's notes: imported when used
+        )
 
-    model = add_lora(model, cfg)
-    _rank_note(model, cfg.lora)
+        model = add_lora(model, cfg)
+        _rank_note(model, cfg.lora)
+    if cfg.packing:
+        check_packing(model)
     return model
+
+
+def check_packing(model: nn.Module) -> None:
+    """``--packing`` on an HF model: refused (naming its family and attention
+    implementation) unless packed rows are shown exact for it (gradstep.packing)."""
+    from gradstep.packing import check_exact
+
+    try:
+        check_exact(model)
+    except ValueError as exc:
+        raise ConfigError(f"--packing: {str(exc).removeprefix('packing: ')}") from None
 
 
 def _rank_note(model: nn.Module, rank: int) -> None:
@@ -340,51 +349,3 @@ def _auto_tokenizer(source: Path, what: str) -> Any:
             "folder whose tokenizer_config.json sets eos_token"
         )
     return tokenizer
-
-
-def count_batch(batch: Batch) -> int:
-    """``count=`` of a run's batches: their labels are already shifted."""
-    return count_tokens(batch, shifted=True)
-
-
-@dataclass(frozen=True)
-class HFLoss:
-    """``loss_fn`` for an HF model on a run's batches (pre-shifted labels, right padding:
-    no attention mask is needed for a causal model): :func:`gradstep.hf.causal_lm_loss`,
-    ``chunk_tokens`` positions at a time (``--loss-chunk-tokens``; 0: the whole logits).
-    A model whose head :func:`gradstep.hf.chunkable` refuses (LoRA-adapted, soft-capped)
-    gets the whole logits, with a one-line note the first time."""
-
-    device: torch.device
-    chunk_tokens: int = 0
-    _refused: dict[int, str | None] = field(default_factory=dict, compare=False, repr=False)
-
-    def chunk_for(self, model: nn.Module) -> int | None:
-        """The ``chunk_tokens=`` of ``model``'s loss (None: the whole logits)."""
-        if not self.chunk_tokens:
-            return None
-        key = id(model)
-        if key not in self._refused:
-            why = chunkable(model)
-            self._refused[key] = why
-            if why is not None:
-                note(
-                    f"note: --loss-chunk-tokens {self.chunk_tokens} is not used: {why}; "
-                    "the loss is computed from the whole logits"
-                )
-        return None if self._refused[key] is not None else self.chunk_tokens
-
-    def __call__(self, model: nn.Module, batch: Batch) -> LossSum:
-        moved = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-        return causal_lm_loss(model, moved, shifted=True, chunk_tokens=self.chunk_for(model))
-
-
-class LogitsOnly(nn.Module):
-    """``model(ids) -> logits`` for the summary's sampler, around an HF model."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids, use_cache=False).logits

@@ -14,6 +14,7 @@ from torch import nn
 
 from gradstep import LossSum, optim
 from gradstep_cli.config.settings import TrainConfig
+from gradstep_cli.data.packed import row_kwargs
 from gradstep_cli.data.sources import Batch
 from gradstep_cli.models.hf import HFLoss, count_batch
 from gradstep_cli.run.evaluation import LMLoss
@@ -90,7 +91,8 @@ class GPTLoss:
 
     def __call__(self, model: nn.Module, batch: Batch) -> LossSum:
         ids = batch["input_ids"].to(self.device, non_blocking=True)
-        return model(ids, batch["labels"].to(self.device, non_blocking=True))
+        labels = batch["labels"].to(self.device, non_blocking=True)
+        return model(ids, labels, **row_kwargs(batch, self.device))
 
 
 def loss_for(cfg: TrainConfig, device: torch.device) -> tuple[Callable, Callable | None]:

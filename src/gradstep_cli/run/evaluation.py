@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradstep import LossSum, parallel, token_loss
+from gradstep.hf import chunkable, forward_hidden
 from gradstep.step import (
     MAX_HALVINGS,
     ON_OOM,
@@ -35,6 +36,7 @@ from gradstep.step import (
     split_in_half,
     too_large_error,
 )
+from gradstep_cli.data.packed import row_kwargs
 from gradstep_cli.data.sources import IGNORE_INDEX, Batch
 
 __all__ = ["Evaluation", "LMLoss", "Logits", "evaluate", "evaluate_metrics", "sample_note"]
@@ -50,21 +52,38 @@ class LMLoss:
     device: torch.device
 
     def __call__(self, model: nn.Module, batch: Batch) -> LossSum:
-        logits = model(batch["input_ids"].to(self.device, non_blocking=True))
+        ids = batch["input_ids"].to(self.device, non_blocking=True)
+        logits = model(ids, **row_kwargs(batch, self.device))
         return token_loss(logits, batch["labels"].to(self.device, non_blocking=True))
 
 
 @dataclass(frozen=True)
 class Logits:
     """The logits of a run's batch: the demo GPT's ``model(ids)``, or an HF model's
-    ``model(input_ids=ids).logits`` (right padding, pre-shifted labels: as its loss)."""
+    ``model(input_ids=ids).logits`` (right padding, pre-shifted labels: as its loss).
+
+    ``chunk_tokens=N`` (``--loss-chunk-tokens``): :meth:`hidden` gives the output
+    projection's input and the projection, which :func:`token_sums` applies N target
+    positions at a time, so evaluation never holds a micro-batch's whole logits either
+    (an HF head :func:`gradstep.hf.chunkable` refuses: the whole logits, as in training)."""
 
     device: torch.device
     hf: bool = False
+    chunk_tokens: int = 0
 
     def __call__(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         ids = batch["input_ids"].to(self.device, non_blocking=True)
         return model(input_ids=ids, use_cache=False).logits if self.hf else model(ids)
+
+    def hidden(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, nn.Module] | None:
+        """(hidden states, output projection) of ``batch``, or None: use the logits."""
+        if not self.chunk_tokens or (self.hf and chunkable(model) is not None):
+            return None
+        ids = batch["input_ids"].to(self.device, non_blocking=True)
+        if self.hf:
+            return forward_hidden(model, {"input_ids": ids})
+        # The head as the forward left it: under FSDP2 the root's parameters stay gathered.
+        return model(ids, hidden=True), parallel.unwrap(model).lm_head
 
 
 @dataclass(frozen=True)
@@ -106,18 +125,25 @@ class Evaluation:
         return cls(per(loss), per(correct), per(entropy), int(items), int(records))
 
 
-def token_sums(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def token_sums(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    head: nn.Module | None = None,
+    chunk_tokens: int = _ROWS,
+) -> torch.Tensor:
     """(loss sum, targets, correct, entropy sum, sequences) of one batch, in float64.
 
-    Only the target positions are scored, ``_ROWS`` at a time in float32 (as the training
-    loss): the loss is ``token_loss``'s cross-entropy."""
+    Only the target positions are scored, ``chunk_tokens`` at a time in float32 (as the
+    training loss): the loss is ``token_loss``'s cross-entropy. With ``head``, ``logits``
+    are the hidden states it projects, one chunk at a time."""
     labels = labels.to(logits.device)
     mask = labels != IGNORE_INDEX
     sums = torch.zeros(len(_SUMS), dtype=torch.float64, device=logits.device)
     sums[4] = mask.any(dim=-1).sum()
     rows, targets = logits[mask], labels[mask]
-    for start in range(0, len(targets), _ROWS):
-        chunk, target = rows[start : start + _ROWS].float(), targets[start : start + _ROWS]
+    for start in range(0, len(targets), chunk_tokens):
+        chunk, target = rows[start : start + chunk_tokens], targets[start : start + chunk_tokens]
+        chunk = (chunk if head is None else head(chunk)).float()
         logp = F.log_softmax(chunk, dim=-1)
         sums[0] += F.nll_loss(logp, target, reduction="sum").double()
         sums[1] += len(target)
@@ -140,6 +166,11 @@ def _measure_loss(loss_fn: Callable[[nn.Module, Any], LossSum], device: torch.de
 
 def _measure_logits(logits_fn: Callable[[nn.Module, Any], torch.Tensor]) -> Callable:
     def measure(model: nn.Module, part: Any) -> torch.Tensor:
+        hidden = getattr(logits_fn, "hidden", None)
+        split = hidden(model, part) if hidden is not None else None
+        if split is not None:
+            states, head = split
+            return token_sums(states, part["labels"], head, logits_fn.chunk_tokens)
         return token_sums(logits_fn(model, part), part["labels"])
 
     return measure

@@ -326,12 +326,13 @@ def run_length(cfg: Any, stream: Any, items_per_step: int, rows: int) -> tuple[A
     steps = epoch_steps(cfg.epochs, stream.epoch_length, items_per_step)
     derived = dataclasses.replace(cfg, max_steps=steps)
     per_epoch = stream.epoch_rows(0)
+    unit = "packed rows" if getattr(stream, "packing", False) else "sequences"
     if rows > 1:
         shape = f"{stream.epoch_length(0):,} micro-batches, the last of the rows left"
     else:
         shape = "one row each"
     return derived, (
-        f"--epochs {cfg.epochs:g}: {per_epoch:,} sequences an epoch ({shape}), "
+        f"--epochs {cfg.epochs:g}: {per_epoch:,} {unit} an epoch ({shape}), "
         f"{items_per_step * rows:,} a step: max_steps {steps} (each epoch reshuffled; every "
         "sequence of an epoch trains once, a step may end one epoch and begin the next)"
     )

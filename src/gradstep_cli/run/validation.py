@@ -67,7 +67,7 @@ class Validation:
 
     def __init__(self, run: Any) -> None:
         self.run, cfg = run, run.cfg
-        self.logits = Logits(run.device, hf=cfg.is_hf)
+        self.logits = Logits(run.device, hf=cfg.is_hf, chunk_tokens=cfg.loss_chunk_tokens)
         self.last: Evaluation | None = None
         self.stop = False
         self.prompts = (

@@ -1,7 +1,6 @@
 """``--loss-chunk-tokens N`` (issue 31 §2): checked as an int >= 0 with an error naming the
-flag, off by default (evaluation still holds a micro-batch's whole logits, so a plan that
-counted only chunks could break the budget there), and what the run's loss function and the
-demo GPT's shape get from it. The runs themselves:
+flag, on by default (the library's chunk, in training and evaluation), and what the run's
+loss function, its evaluation and the demo GPT's shape get from it. The runs themselves:
 tests/integration/cli/test_chunked_loss_runs.py."""
 
 from __future__ import annotations
@@ -18,8 +17,8 @@ from gradstep_cli.run.evaluation import LMLoss
 CPU = torch.device("cpu")
 
 
-def test_the_library_s_chunk_is_used_when_asked_and_off_by_default() -> None:
-    assert TrainConfig().loss_chunk_tokens == 0
+def test_the_library_s_chunk_is_the_default() -> None:
+    assert TrainConfig().loss_chunk_tokens == CHUNK_TOKENS
     cfg = TrainConfig(loss_chunk_tokens=CHUNK_TOKENS)
     assert gpt_config(cfg).loss_chunk_tokens == 1024
     assert isinstance(loss_for(cfg, CPU)[0], GPTLoss)

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from gradstep_cli.config.settings import TrainConfig
 from gradstep_cli.data.sources import collate
-from gradstep_cli.data.tokenized import Sequences, validation_batches
+from gradstep_cli.data.tokenized import Sequences
+from gradstep_cli.data.validation import validation_batches
 from gradstep_cli.models.gpt import GPT, GPTConfig
 from gradstep_cli.run.evaluation import Evaluation, evaluate, evaluate_metrics, token_sums
 from gradstep_cli.run.validation import better
