@@ -129,18 +129,19 @@ def token_sums(
     logits: torch.Tensor,
     labels: torch.Tensor,
     head: nn.Module | None = None,
-    chunk_tokens: int = _ROWS,
+    chunk_tokens: int | None = None,
 ) -> torch.Tensor:
     """(loss sum, targets, correct, entropy sum, sequences) of one batch, in float64.
 
-    Only the target positions are scored, ``chunk_tokens`` at a time in float32 (as the
-    training loss): the loss is ``token_loss``'s cross-entropy. With ``head``, ``logits``
-    are the hidden states it projects, one chunk at a time."""
+    Only the target positions are scored, ``chunk_tokens`` (default 2048) at a time in
+    float32 (as the training loss): the loss is ``token_loss``'s cross-entropy. With
+    ``head``, ``logits`` are the hidden states it projects, one chunk at a time."""
     labels = labels.to(logits.device)
     mask = labels != IGNORE_INDEX
     sums = torch.zeros(len(_SUMS), dtype=torch.float64, device=logits.device)
     sums[4] = mask.any(dim=-1).sum()
     rows, targets = logits[mask], labels[mask]
+    chunk_tokens = chunk_tokens or _ROWS
     for start in range(0, len(targets), chunk_tokens):
         chunk, target = rows[start : start + chunk_tokens], targets[start : start + chunk_tokens]
         chunk = (chunk if head is None else head(chunk)).float()

@@ -59,6 +59,47 @@ def test_token_sums_in_chunks_equal_one_pass(monkeypatch: pytest.MonkeyPatch) ->
     assert whole[1] == 14 and whole[4] == 2
 
 
+def test_token_sums_in_chunks_equal_one_pass_with_a_head() -> None:
+    hidden, head = torch.randn(3, 7, 5, dtype=torch.float64), torch.nn.Linear(5, 11).double()
+    labels = torch.randint(0, 11, (3, 7))
+    labels[1, :4] = -100
+    want = token_sums(head(hidden), labels)
+    for chunk in (1, 3, 100):
+        assert torch.allclose(token_sums(hidden, labels, head, chunk), want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_a_chunked_evaluation_equals_the_whole_logits_one(tie: bool) -> None:
+    """--loss-chunk-tokens: evaluation projects N target positions at a time: equal within
+    the float32 rounding the scoring runs in (as the training loss), accuracy exactly."""
+    from gradstep_cli.run.evaluation import Logits
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=2, d_model=16, max_seq_len=16, tie_weights=tie))
+    model = model.double()
+    batches = [collate([b"abcdefghij", b"ab"]), collate([b"xyz", b"0123456789abcde"])]
+    whole = evaluate_metrics(model, batches, CPU, Logits(CPU))
+    for chunk in (1, 4, 1024):
+        got = evaluate_metrics(model, batches, CPU, Logits(CPU, chunk_tokens=chunk))
+        assert got.items == whole.items and got.records == whole.records
+        assert got.accuracy == whole.accuracy
+        assert got.loss == pytest.approx(whole.loss, rel=1e-6)
+        assert got.entropy == pytest.approx(whole.entropy, rel=1e-6)
+
+
+def test_a_chunked_hf_evaluation_equals_the_whole_logits_one() -> None:
+    pytest.importorskip("transformers")
+    from gradstep_cli.run.evaluation import Logits
+    from tests.support import hf_assets
+
+    model = hf_assets.build_model("llama", seed=0).double()
+    batches = [collate([b"abcdefghij", b"ab"]), collate([b"xyz"])]
+    whole = evaluate_metrics(model, batches, CPU, Logits(CPU, hf=True))
+    got = evaluate_metrics(model, batches, CPU, Logits(CPU, hf=True, chunk_tokens=3))
+    assert (got.items, got.records, got.accuracy) == (whole.items, whole.records, whole.accuracy)
+    assert got.loss == pytest.approx(whole.loss, rel=1e-6)
+
+
 def test_nothing_scored_is_nan_not_an_error() -> None:
     ev = Evaluation.of(torch.zeros(5, dtype=torch.float64))
     assert math.isnan(ev.loss) and math.isnan(ev.accuracy) and ev.items == 0

@@ -99,3 +99,36 @@ def test_a_family_not_shown_exact_is_refused_naming_it(tmp_path, capsys) -> None
     err = capsys.readouterr().err
     assert "--packing: not shown exact for the family 'mixtral' under the attention " in err
     assert "implementation 'sdpa'" in err and "Traceback" not in err
+
+
+def _launch(args: list[str], out: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "gradstep", "train", "--nproc-per-node", "2", *args]
+    proc = subprocess.run(
+        [*cmd, "--out", str(out)], capture_output=True, text=True, timeout=400, env=env
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("strategy", "kind"), [("ddp", "gpt"), ("fsdp", "llama")])
+def test_two_ranks_packed_take_the_steps_one_process_takes(tmp_path, strategy, kind) -> None:
+    """A packed global batch split over 2 ranks: the same rows, so the same steps (float32
+    rounding of sums in another order)."""
+    model = ["--n-layer", "2", "--d-model", "32", "--n-head", "2"]
+    if kind == "llama":
+        model = ["--model", f"hf:{_llama(tmp_path)}"]
+    args = [*BASE, *model, "--micro-batch-size", "2", "--global-batch", "4", "--max-steps", "3"]
+    assert main(["train", *args, "--out", str(tmp_path / "one")]) == 0
+    _launch([*args, "--strategy", strategy], tmp_path / "two")
+    one, two = _rows(tmp_path / "one"), _rows(tmp_path / "two")
+    assert [r["items"] for r in one] == [r["items"] for r in two] and len(one) == 3
+    for a, b in zip(one, two, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    assert one[-1]["val_loss"] == pytest.approx(two[-1]["val_loss"], rel=1e-5)
