@@ -48,7 +48,10 @@ EXACT_ATTENTION = ("sdpa", "eager")
 reads sequence boundaries from ``cu_seqlens`` instead, on CUDA only: not built here)."""
 
 
-EXACT_FAMILIES = ("llama", "qwen2", "phi3", "gpt_neox", "opt", "qwen2_moe", "olmoe")
+EXACT_FAMILIES = (
+    "llama", "qwen2", "phi3", "phi", "gpt_neox", "opt", "qwen2_moe", "qwen3_moe", "olmoe",
+    "granitemoe",
+)  # fmt: skip
 """Hugging Face model types (``config.model_type``) whose packed rows the test suite shows
 equal to each sequence run alone, under each implementation of :data:`EXACT_ATTENTION`
 (loss, count and gradient, float64, 1e-12 relative: ``tests/test_packing.py``)."""
