@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gradstep_cli.data.packed import pack_epoch, packed_batch
+from gradstep_cli.data.packed import PackedPlan, pack_epoch, packed_batch
 from gradstep_cli.data.records import DataError, Encoded
 from gradstep_cli.data.store import StoreFile
 
@@ -256,7 +256,7 @@ class TrainBatches(Iterator[Batch]):
         self._data = as_sequences(docs)
         self.epoch, self.index = 0, rank
         self._plan_epoch: int | None = None
-        self._plan: list[np.ndarray] = []
+        self._plan: list[np.ndarray] | PackedPlan = []
         self._epoch_plan(0)  # too little data is an error now, not at the first step
 
     def epoch_length(self, epoch: int) -> int:
@@ -266,34 +266,33 @@ class TrainBatches(Iterator[Batch]):
     def epoch_rows(self, epoch: int) -> int:
         """Rows of epoch ``epoch``: one per record, a document's chunks (packed: the rows
         they were packed into)."""
-        return sum(len(batch) for batch in self._epoch_plan(epoch))
+        plan = self._epoch_plan(epoch)
+        return plan.rows if isinstance(plan, PackedPlan) else sum(len(batch) for batch in plan)
 
     def epoch_sequences(self, epoch: int) -> int:
         """Sequences (spans) of epoch ``epoch``: its rows' unpacked, the packed rows' parts."""
         plan = self._epoch_plan(epoch)
-        return (
-            sum(len(row) for batch in plan for row in batch)
-            if self.packing
-            else self.epoch_rows(epoch)
-        )
+        return len(plan.spans) if isinstance(plan, PackedPlan) else self.epoch_rows(epoch)
 
     def padding(self, epoch: int = 0) -> float:
         """Share of epoch ``epoch``'s packed positions that are padding (0 unpacked)."""
         self._epoch_plan(epoch)
         return self._padding
 
-    def _epoch_plan(self, epoch: int) -> list[Any]:
+    def _epoch_plan(self, epoch: int) -> list[np.ndarray] | PackedPlan:
         """Micro-batches of epoch ``epoch``, every span once (cached): ``(rows, 2)`` spans, or
         packed, a list of each row's spans."""
         if self._plan_epoch != epoch:
             rng = np.random.default_rng([self.seed, epoch])
             spans = self._data.spans(self.seq_len, rng, self.full_frac)
             spans = spans[rng.permutation(len(spans))]
+            mbs = self.micro_batch_size
             if self.packing:
-                spans, self._padding = pack_epoch(spans, self.seq_len, rng)
-            n = len(spans) // self.micro_batch_size  # full ones: one for every rank
+                packed, self._padding = pack_epoch(spans, self.seq_len, rng, mbs)
+            rows = packed.rows if self.packing else len(spans)
+            n = rows // mbs  # full ones: one for every rank
             if n < self.world_size:
-                rows, smaller = len(spans), " or a smaller --micro-batch-size"
+                smaller = " or a smaller --micro-batch-size"
                 unit = "packed row" if self.packing else "sequence"
                 raise DataError(
                     f"training data yields {plural(rows, unit)} per epoch, {n} "
@@ -301,8 +300,10 @@ class TrainBatches(Iterator[Batch]):
                     f"{self.world_size} needed (one per data-parallel rank); use more data"
                     + (smaller if self.micro_batch_size > 1 else "")
                 )
-            mbs = self.micro_batch_size
-            self._plan = [spans[i : i + mbs] for i in range(0, len(spans), mbs)]
+            if self.packing:
+                self._plan = packed
+            else:
+                self._plan = [spans[i : i + mbs] for i in range(0, len(spans), mbs)]
             self._plan_epoch = epoch
         return self._plan
 

@@ -88,10 +88,10 @@ def test_padding_is_under_two_percent(name, draw) -> None:
     lengths = np.clip(draw(rng, 5000).astype(np.int64), 2, 1025)
     starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
     spans = np.stack([starts, lengths], axis=1)
-    rows, padding = pack_epoch(spans, 1024, np.random.default_rng(1))
+    plan, padding = pack_epoch(spans, 1024, np.random.default_rng(1))
     assert padding < 0.02, name
     real = int((lengths - 1).sum())
-    assert padding == pytest.approx(1 - real / (len(rows) * 1024), abs=1e-12)
+    assert padding == pytest.approx(1 - real / (plan.rows * 1024), abs=1e-12)
 
 
 def test_the_default_corpus_packs_under_two_percent_padding() -> None:
