@@ -154,8 +154,9 @@ class TrainConfig(RecipeFields, LaunchFields, DataFields):
     compile: bool = _f(
         "model",
         False,
-        "torch.compile each transformer block (fixed shapes with --packing); the compile "
-        "time is reported",
+        "torch.compile each transformer block for training (fixed shapes: --packing for "
+        "records of varied lengths; evaluation runs eagerly); the first step's compile time "
+        "is reported (summary.json: compile_seconds)",
     )
     micro_batch_size: int | str = _f(
         "batch",

@@ -21,12 +21,13 @@ from gradstep import GradientNoiseScale, Stepper
 from gradstep.checkpoint import Checkpointer, CheckpointInfo
 from gradstep.memory import checkpoint_blocks
 from gradstep.policies import clip_policies
-from gradstep_cli.config.preflight import gns_notes
+from gradstep_cli.config.preflight import gns_notes, note
 from gradstep_cli.config.settings import TrainConfig
 from gradstep_cli.data.batching import Layout, rank_batches
 from gradstep_cli.data.load import Data
 from gradstep_cli.data.sources import Batch, TextSource, TrainBatches
 from gradstep_cli.models import parallel_plan
+from gradstep_cli.models.compile import check_compile, compile_blocks, compile_note
 from gradstep_cli.models.spec import ModelSpec
 from gradstep_cli.plan.batch import BatchPlan
 from gradstep_cli.plan.planning import Planned
@@ -119,6 +120,8 @@ def build_run(checked: Checked, data: Data, model: ModelSpec, plan: BatchPlan) -
     checkpoint the checks found."""
     cfg, launch, layout, info = plan.cfg, checked.launch, plan.layout, checked.resume
     torch.manual_seed(cfg.seed)
+    if cfg.compile:
+        check_compile(launch.device)  # before the model is built
     module, stepper, gns = _model_and_stepper(cfg, model, launch.device, plan.planned)
     train_iter, val = rank_batches(cfg, data.source, layout, launch.data_rank, launch.data_ranks)
     per_step = layout.stream_items_per_window * launch.data_ranks
@@ -149,6 +152,12 @@ def _model_and_stepper(
     module = model.build().to(device)
     if cfg.activation_checkpointing:
         checkpoint_blocks(module)  # before sharding, as FSDP2 expects
+    if cfg.compile:
+        # The checkpointed block is compiled (recompute in the graph), inside FSDP2/DDP. The
+        # compile itself happens at the first step: after --tp has split the block, as
+        # torchtitan orders it (tensor parallel, checkpointing, compile, sharding).
+        compile_blocks(module)
+        note(compile_note(module))
     module = parallel_plan.prepare(module, cfg)
     optimizer = build_optimizer(module, cfg)  # after sharding: FSDP2 steps its shards
     clip = clip_policies(cfg.clip, cfg.spike_guard, module)  # agc: output layer excluded

@@ -15,7 +15,7 @@ step (:class:`Meter`), for ``metrics.jsonl``, the progress line and ``summary.js
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,8 +23,12 @@ from tqdm.auto import tqdm
 
 from gradstep import StepStats, parallel
 from gradstep.memory import current_bytes, format_bytes, parse_size, peak_bytes
+from gradstep_cli.models.compile import compile_seconds
 
 __all__ = ["BUDGET_WARNING", "Meter"]
+
+COMPILE_STEPS = 100
+"""Later steps whose median --compile's time is measured against."""
 
 BUDGET_WARNING = 0.9
 """Share of --memory-budget whose crossing the run reports (once)."""
@@ -42,6 +46,9 @@ class Meter:
     """The step the budget warning was said at (None: never)."""
     first_rss: int | None = None
     last_rss: int | None = None
+    step_seconds: list[float] = field(default_factory=list)
+    """This invocation's first step times (--compile: the first one's excess over the
+    median of the others is the compile)."""
 
     def __post_init__(self) -> None:
         if self.run.cfg.memory_budget is not None:
@@ -66,6 +73,8 @@ class Meter:
         progress.tokens += stats.items
         progress.positions += positions
         progress.step_time += elapsed
+        if len(self.step_seconds) <= COMPILE_STEPS:  # enough for the median, bounded
+            self.step_seconds.append(elapsed)
         progress.recent = [*progress.recent[-(TRAIN_LOSS_WINDOW - 1) :], (stats.loss, stats.items)]
         rss = current_bytes(self.run.device)
         self.first_rss = rss if self.first_rss is None else self.first_rss
@@ -115,6 +124,7 @@ class Meter:
             "peak_memory_mb": peak_bytes(device) / MIB,
             "memory_budget_mb": None if self.budget is None else self.budget / MIB,
             "memory_budget_warning_step": self.warned_at,
+            "compile_seconds": compile_seconds(self.step_seconds) if self.run.cfg.compile else None,
         }
 
 

@@ -126,6 +126,11 @@ def show(summary: dict[str, Any]) -> None:
     )
     for line in _evaluation_lines(summary):
         print(line)
+    if summary.get("compile_seconds") is not None:
+        print(
+            f"compile: {summary['compile_seconds']:.1f}s (--compile: the first step's time "
+            "beyond the median step's)"
+        )
     if summary["sample"]:
         print(f"--- sample ---\n{summary['sample_prompt']}{summary['sample']}\n--------------")
 
