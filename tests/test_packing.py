@@ -87,8 +87,10 @@ from gradstep.hf import causal_lm_loss  # noqa: E402
 from gradstep.packing import (  # noqa: E402
     EXACT_ATTENTION,
     EXACT_FAMILIES,
+    SEGMENTS,
     check_exact,
     mask_for,
+    use_segments,
 )
 from tests.support import hf_assets  # noqa: E402
 
@@ -96,10 +98,14 @@ LENGTHS = (7, 3, 11, 1, 5, 9)
 
 
 def _model(family: str, impl: str) -> torch.nn.Module:
+    built = "sdpa" if impl == SEGMENTS else impl
     model = hf_assets.build_model(
-        family, seed=1, attn_implementation=impl, _experts_implementation="eager"
+        family, seed=1, attn_implementation=built, _experts_implementation="eager"
     )
-    return model.double().eval()  # eval: OPT's config has dropout
+    model = model.double().eval()  # eval: OPT's config has dropout
+    if impl == SEGMENTS:
+        assert use_segments(model) and model.config._attn_implementation == SEGMENTS
+    return model
 
 
 def _sequences(seed: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -131,24 +137,32 @@ def _packed(model, seqs, row_tokens):
     return float(loss.total.detach()), int(loss.count), grads, batch
 
 
-def _close(got: dict, want: dict) -> None:
+# HF's eager attention takes its softmax in float32 whatever the model's dtype, so a
+# sequence's scores round differently in a row of 16 than alone: exact to float32 (a leak
+# moves the logits by ~0.2, test_position_ids_alone_leak_and_the_leak_is_measured).
+EAGER = 1e-6
+
+
+def _close(got: dict, want: dict, tol: float = EXACT) -> None:
     whole = sum(float(w.square().sum()) for w in want.values()) ** 0.5
     for name, w in want.items():
-        assert float((got[name] - w).norm()) <= EXACT * whole, name
+        assert float((got[name] - w).norm()) <= tol * whole, name
 
 
 @pytest.mark.parametrize("impl", EXACT_ATTENTION)
 @pytest.mark.parametrize("family", EXACT_FAMILIES)
 def test_a_packed_micro_batch_equals_each_sequence_alone(family: str, impl: str) -> None:
     model = _model(family, impl)
+    assert model.config._attn_implementation == impl
+    tol = EAGER if impl == "eager" else EXACT
     seqs = _sequences()
     want_total, want_count, want_grads = _alone(model, seqs)
     total, count, grads, batch = _packed(model, seqs, row_tokens=16)
     assert batch["input_ids"].shape[0] < len(seqs)  # several sequences share a row
     assert count == want_count == sum(LENGTHS)
-    assert abs(total - want_total) <= EXACT * abs(want_total)
-    _close(grads, want_grads)
-    assert max_leak(model) < 1e-12
+    assert abs(total - want_total) <= tol * abs(want_total)
+    _close(grads, want_grads, tol)
+    assert max_leak(model) < tol
 
 
 def test_position_ids_alone_leak_and_the_leak_is_measured() -> None:
@@ -172,13 +186,14 @@ def test_an_implementation_without_a_4d_mask_is_refused_by_name() -> None:
         mask_for(model, batch, torch.float64)
 
 
-def test_one_accumulated_packed_step_equals_the_unpacked_step() -> None:
+@pytest.mark.parametrize("impl", ["sdpa", SEGMENTS])
+def test_one_accumulated_packed_step_equals_the_unpacked_step(impl: str) -> None:
     """The Stepper over 2 packed micro-batches = over the same sequences one per row."""
     import gradstep
     from gradstep.hf import count_tokens
 
     seqs = _sequences(seed=5)
-    base = _model("llama", "sdpa").train()
+    base = _model("llama", impl).train()
 
     def run(window):
         model = copy.deepcopy(base)
@@ -247,3 +262,41 @@ def test_check_exact_measures_the_model_itself(monkeypatch) -> None:
     monkeypatch.setattr(packing, "max_leak", lambda m: 0.2)
     with pytest.raises(ValueError, match="lets packed sequences attend to each other"):
         packing.check_exact(model)
+
+
+def test_segment_attention_needs_the_positions_and_no_mask() -> None:
+    from gradstep.packing import segment_attention
+
+    q = torch.randn(1, 2, 5, 4)
+    with pytest.raises(ValueError, match="needs position_ids"):
+        segment_attention(torch.nn.Module(), q, q, q, None)
+    with pytest.raises(ValueError, match="no attention_mask"):
+        segment_attention(torch.nn.Module(), q, q, q, torch.ones(1, 1, 5, 5, dtype=torch.bool),
+                          position_ids=torch.arange(5)[None])  # fmt: skip
+
+
+def test_use_segments_keeps_the_mask_where_it_is_not_shown_exact(monkeypatch) -> None:
+    import gradstep.packing as packing
+
+    eager = hf_assets.build_model("llama", seed=0, attn_implementation="eager")
+    assert not use_segments(eager) and eager.config._attn_implementation == "eager"
+    window = hf_assets.build_model("qwen2", seed=0, attn_implementation="sdpa")
+    window.config.sliding_window, window.config.use_sliding_window = 4, True
+    assert not use_segments(window) and window.config._attn_implementation == "sdpa"
+    half = hf_assets.build_model("llama", seed=0, attn_implementation="sdpa").bfloat16()
+    assert not use_segments(half)
+    leaky = hf_assets.build_model("llama", seed=0, attn_implementation="sdpa")
+    monkeypatch.setattr(packing, "max_leak", lambda m: 0.2)
+    assert not use_segments(leaky) and leaky.config._attn_implementation == "sdpa"
+
+
+def test_an_unpacked_right_padded_batch_is_plain_causal_under_segments() -> None:
+    """Evaluation and samples run the same model unpacked: one sequence a row."""
+    model = _model("llama", SEGMENTS)
+    ids = torch.randint(0, hf_assets.VOCAB, (2, 9))
+    with torch.no_grad():
+        got = model(input_ids=ids, use_cache=False).logits
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        want = model(input_ids=ids, use_cache=False).logits
+    assert float((got - want).abs().max()) < 1e-12

@@ -30,22 +30,31 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
     "EXACT_ATTENTION",
     "EXACT_FAMILIES",
+    "SEGMENTS",
     "block_causal_mask",
     "check_exact",
     "mask_for",
     "max_leak",
     "pack",
     "plan_rows",
+    "segment_attention",
+    "use_segments",
 ]
 
-EXACT_ATTENTION = ("sdpa", "eager")
-"""Attention implementations whose 4-D masks :func:`mask_for` builds (``flash_attention_*``
-reads sequence boundaries from ``cu_seqlens`` instead, on CUDA only: not built here)."""
+SEGMENTS = "gradstep_segments"
+"""The attention implementation :func:`use_segments` registers: :func:`segment_attention`."""
+
+EXACT_ATTENTION = ("sdpa", "eager", SEGMENTS)
+"""Attention implementations :func:`mask_for` makes packed rows exact under: a 4-D mask for
+``sdpa`` and ``eager``, none for :data:`SEGMENTS` (it reads the sequences from the
+positions). ``flash_attention_*`` reads boundaries from ``cu_seqlens`` on CUDA only: not
+built here."""
 
 
 EXACT_FAMILIES = (
@@ -184,7 +193,9 @@ def mask_for(model: nn.Module, batch: dict[str, torch.Tensor], dtype: torch.dtyp
             "attn_implementation='sdpa'), else train without packing"
         )
     out = {k: v for k, v in batch.items() if k != "seq_ids"}
-    out["attention_mask"] = block_causal_mask(batch["seq_ids"], None if impl == "sdpa" else dtype)
+    if impl != SEGMENTS:
+        mask = block_causal_mask(batch["seq_ids"], None if impl == "sdpa" else dtype)
+        out["attention_mask"] = mask
     return out
 
 
@@ -253,3 +264,74 @@ def check_exact(model: nn.Module) -> None:
                 f"to each other (logits {leak:.3g} away from each sequence alone); train "
                 "without packing"
             )
+
+
+def segment_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Causal attention within each sequence of a packed row, one ``sdpa`` call per sequence
+    (a Hugging Face attention function: ``query`` ``(B, H, T, D)``, ``key``/``value``
+    ``(B, H_kv, T, D)``, the output ``(B, T, H, D)``). A sequence starts where
+    ``position_ids`` is 0 (and at each row's start). No ``T x T`` mask is made and no score
+    across sequences computed: on long-tailed lengths the attention costs a fraction of the
+    masked one. An unpacked right-padded row is one sequence (plain causal attention)."""
+    positions = kwargs.get("position_ids")
+    if attention_mask is not None or positions is None:
+        raise ValueError(
+            f"{SEGMENTS} attention needs position_ids (restarting per sequence) and no "
+            "attention_mask: train right-padded or packed rows, or use 'sdpa'"
+        )
+    t, gqa = query.shape[2], key.shape[1] != query.shape[1]
+    rows = []
+    for r in range(query.shape[0]):
+        starts = torch.nonzero(positions[min(r, len(positions) - 1)] == 0).flatten().tolist()
+        bounds = sorted({0, *starts}) + [t]
+        parts = [
+            F.scaled_dot_product_attention(
+                query[r : r + 1, :, a:b],
+                key[r : r + 1, :, a:b],
+                value[r : r + 1, :, a:b],
+                dropout_p=dropout,
+                is_causal=True,
+                scale=scaling,
+                enable_gqa=gqa,
+            )  # fmt: skip
+            for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+        ]
+        rows.append(torch.cat(parts, dim=2))
+    return torch.cat(rows).transpose(1, 2).contiguous(), None
+
+
+def use_segments(model: nn.Module) -> bool:
+    """Switch an ``sdpa`` Hugging Face model to :func:`segment_attention` (registered as
+    :data:`SEGMENTS`) when it is shown exact on the model itself (:func:`max_leak`, float32
+    or float64; no sliding window, which only a mask would apply). Returns whether it did;
+    a model left on ``sdpa`` trains packed rows through :func:`mask_for`'s 4-D mask."""
+    from transformers import AttentionInterface
+
+    from .parallel import unwrap
+
+    inner = unwrap(model)
+    get = getattr(inner, "get_base_model", None)
+    hf = get() if callable(get) else inner
+    config = hf.config
+    window = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
+    dtype = hf.get_input_embeddings().weight.dtype
+    if _implementation(model) != "sdpa" or window or dtype not in (torch.float32, torch.float64):
+        return False
+    AttentionInterface.register(SEGMENTS, segment_attention)
+    hf.set_attn_implementation(SEGMENTS)
+    try:
+        exact = max_leak(model) <= LEAK_TOLERANCE
+    except Exception:  # a family whose attention is not given the positions
+        exact = False
+    if not exact:
+        hf.set_attn_implementation("sdpa")
+    return exact

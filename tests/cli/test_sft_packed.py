@@ -20,6 +20,7 @@ import torch
 pytest.importorskip("transformers")
 
 import gradstep  # noqa: E402
+from gradstep.packing import SEGMENTS, use_segments  # noqa: E402
 from gradstep_cli.data.sources import IGNORE_INDEX, TrainBatches  # noqa: E402
 from gradstep_cli.models.gpt import GPT, GPTConfig  # noqa: E402
 from gradstep_cli.run.components import GPTLoss  # noqa: E402
@@ -48,9 +49,14 @@ def tok() -> Any:
     return hf_assets.load_tokenizer()
 
 
-@pytest.fixture
-def model() -> Any:
-    return hf_assets.build_model("llama", seed=0).double()
+@pytest.fixture(params=["sdpa", SEGMENTS])
+def model(request: pytest.FixtureRequest) -> Any:
+    """The 4-D mask under sdpa, and attention one sequence at a time (what --packing runs
+    an sdpa model with, unless --compile)."""
+    built = hf_assets.build_model("llama", seed=0, attn_implementation="sdpa").double()
+    if request.param == SEGMENTS:
+        assert use_segments(built)
+    return built
 
 
 def packed_epoch(src: Any, seq_len: int = SEQ) -> list[dict[str, torch.Tensor]]:

@@ -176,7 +176,10 @@ def build_model(family: str = "llama", seed: int = 0, **overrides: Any) -> Any:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config_for(family, **overrides))
+    # The implementation is from_config's argument: a config key of that name is ignored.
+    impl = overrides.pop("attn_implementation", None)
+    config = config_for(family, **overrides)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=impl)
 
 
 def model_dir(

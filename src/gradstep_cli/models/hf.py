@@ -56,19 +56,24 @@ def build_model(cfg: TrainConfig, config: Any = None) -> nn.Module:
         model = add_lora(model, cfg)
         _rank_note(model, cfg.lora)
     if cfg.packing:
-        check_packing(model)
+        check_packing(model, segments=not cfg.compile)
     return model
 
 
-def check_packing(model: nn.Module) -> None:
+def check_packing(model: nn.Module, segments: bool = True) -> None:
     """``--packing`` on an HF model: refused (naming its family and attention
-    implementation) unless packed rows are shown exact for it (gradstep.packing)."""
-    from gradstep.packing import check_exact
+    implementation) unless packed rows are shown exact for it (gradstep.packing). With
+    ``segments`` an ``sdpa`` model attends one sequence at a time where that is shown exact
+    on it (``gradstep.packing.use_segments``: no T x T mask; not under ``--compile``, whose
+    graphs want the mask's fixed shapes)."""
+    from gradstep.packing import check_exact, use_segments
 
     try:
         check_exact(model)
     except ValueError as exc:
         raise ConfigError(f"--packing: {str(exc).removeprefix('packing: ')}") from None
+    if segments:
+        use_segments(model)
 
 
 def _rank_note(model: nn.Module, rank: int) -> None:
