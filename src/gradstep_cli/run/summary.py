@@ -53,6 +53,7 @@ def build(run: Any, losses: dict[str, Any], started: float) -> dict[str, Any]:
         "tp": cfg.tp,
         "hsdp": cfg.hsdp,
         "effective_batch_sequences": effective,
+        "packing": cfg.packing,
         "max_tokens_per_step": effective * cfg.seq_len,
         "mean_tokens_per_step": losses["train_tokens"] / max(losses["steps"], 1),
         "clipped_steps": stepper.clipped_steps,
@@ -116,7 +117,8 @@ def show(summary: dict[str, Any]) -> None:
         f"\n{summary['steps']} steps in {summary['wall_time_s']:.1f}s "
         f"({_throughput(summary)} while stepping), "
         f"{_parameters(summary)}\n"
-        f"effective batch: {summary['effective_batch_sequences']} sequences "
+        f"effective batch: {summary['effective_batch_sequences']} "
+        f"{'packed rows' if summary.get('packing') else 'sequences'} "
         f"({_ranks(summary)}), <= "
         f"{summary['max_tokens_per_step']:,} tokens/step "
         f"(mean {summary['mean_tokens_per_step']:,.0f} real tokens)\n"
