@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from gradstep import LossSum, parallel, token_loss
@@ -144,12 +143,14 @@ def token_sums(
     chunk_tokens = chunk_tokens or _ROWS
     for start in range(0, len(targets), chunk_tokens):
         chunk, target = rows[start : start + chunk_tokens], targets[start : start + chunk_tokens]
-        chunk = (chunk if head is None else head(chunk)).float()
-        logp = F.log_softmax(chunk, dim=-1)
-        sums[0] += F.nll_loss(logp, target, reduction="sum").double()
+        logits = (chunk if head is None else head(chunk)).float()
+        sums[2] += (logits.argmax(dim=-1) == target).sum().double()
+        # In place: at most two chunk-sized tensors at once (the log-probabilities and
+        # their exponentials), as the chunked training loss's backward holds.
+        logp = logits.sub_(logits.logsumexp(dim=-1, keepdim=True))
+        sums[0] -= logp.gather(1, target[:, None]).sum().double()
         sums[1] += len(target)
-        sums[2] += (chunk.argmax(dim=-1) == target).sum().double()
-        sums[3] += -(logp.exp() * logp).nansum().double()
+        sums[3] -= logp.exp().mul_(logp).nansum().double()
     return sums
 
 
