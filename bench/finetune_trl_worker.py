@@ -22,6 +22,12 @@ written by ``finetune_trl.py`` from the same recipe it gives ``gradstep train``:
   in the spec turns TRL's default checkpointing back on, ``"bf16": true`` its default bf16
   autocast (the walk's TRL runs set neither off).
 
+Optional spec keys (``bench/throughput.py``; absent, the run is as above): ``"eval": false``
+(no evaluation or checkpoint during training: ``eval_strategy="no"``, only OUT/final),
+``"packing"`` / ``"packing_strategy"`` / ``"padding_free"`` (TRL's own, as ``SFTConfig``
+takes them), ``"count_tokens": true`` (every training batch's positions, rows and real
+tokens, counted outside the timed steps, in the result's ``batches``).
+
 Writes OUT/final (the model, merged for LoRA, and the tokenizer) and OUT/trl_result.json:
 per optimizer step the process CPU and wall seconds from ``on_step_begin`` to
 ``on_step_end`` (the window's forwards and backwards, clip, optimizer and scheduler step,
@@ -80,15 +86,52 @@ def _datasets(spec: dict) -> tuple[Any, Any]:
     return data["train"], data["validation"]
 
 
-def run(spec: dict) -> dict:
-    from trl import SFTConfig, SFTTrainer
+def _eval_args(spec: dict) -> dict[str, Any]:
+    """SFTConfig's evaluation and checkpoint settings: the best of every ``eval_steps``
+    (the default), or none (``"eval": false``)."""
+    if not spec.get("eval", True):
+        return {"eval_strategy": "no", "save_strategy": "no", "load_best_model_at_end": False}
+    return {"eval_strategy": "steps", "eval_steps": spec["eval_steps"],
+            "save_strategy": "steps", "save_steps": spec["eval_steps"], "save_total_limit": 1,
+            "load_best_model_at_end": True, "metric_for_best_model": "eval_loss",
+            "greater_is_better": False}  # fmt: skip
 
-    threads = spec["threads"]
-    torch.set_num_threads(threads)
+
+def _packing_args(spec: dict) -> dict[str, Any]:
+    """TRL's packing settings the spec names (none: TRL's defaults, padded batches)."""
+    keys = ("packing", "packing_strategy", "padding_free")
+    return {k: spec[k] for k in keys if k in spec}
+
+
+class TokenCounter:
+    """Wraps the training collator: each batch's positions (``input_ids`` elements), rows,
+    sequences, tokens (padded rows' ``attention_mask``; every position of a padding-free
+    row, its sequences counted by their ``position_ids`` restarts) and real tokens, where a
+    sequence of n tokens counts n - 1 (the positions that predict one of its tokens)."""
+
+    def __init__(self, collate: Any) -> None:
+        self.collate = collate
+        self.batches: list[dict[str, int]] = []
+
+    def __call__(self, examples: Any) -> Any:
+        batch = self.collate(examples)
+        ids = batch["input_ids"]
+        if "attention_mask" in batch:
+            mask = batch["attention_mask"]
+            tokens, seqs = int(mask.sum()), int((mask.sum(-1) > 0).sum())
+        else:  # padding-free: one row, sequences restarting at position 0
+            tokens, seqs = ids.numel(), int((batch["position_ids"] == 0).sum())
+        self.batches.append({"positions": ids.numel(), "rows": ids.shape[0], "tokens": tokens,
+                             "sequences": seqs, "real": tokens - seqs})  # fmt: skip
+        return batch
+
+
+def _config(spec: dict) -> Any:
+    """The spec as TRL's ``SFTConfig``."""
+    from trl import SFTConfig
+
     out = Path(spec["out"])
-    train, val = _datasets(spec)
-    chat = spec["format"] == "chat"
-    args = SFTConfig(
+    return SFTConfig(
         output_dir=str(out / "trainer"), run_name=out.name, seed=spec["seed"],
         num_train_epochs=spec["epochs"], learning_rate=spec["lr"],
         lr_scheduler_type="linear", warmup_steps=spec["warmup_ratio"],
@@ -97,14 +140,22 @@ def run(spec: dict) -> dict:
         gradient_accumulation_steps=spec["accum"], max_length=spec["max_length"],
         weight_decay=0.0, max_grad_norm=1.0, bf16=spec.get("bf16", False),
         gradient_checkpointing=spec.get("gradient_checkpointing", False),
-        assistant_only_loss=chat,
-        eval_strategy="steps", eval_steps=spec["eval_steps"],
-        save_strategy="steps", save_steps=spec["eval_steps"], save_total_limit=1,
-        load_best_model_at_end=True, metric_for_best_model="eval_loss", greater_is_better=False,
+        assistant_only_loss=spec["format"] == "chat", **_eval_args(spec), **_packing_args(spec),
         logging_steps=spec["logging_steps"], report_to=spec["report_to"],
         use_cpu=True, dataloader_num_workers=0, disable_tqdm=True,
         model_init_kwargs={"dtype": torch.float32},
     )  # fmt: skip
+
+
+def run(spec: dict) -> dict:
+    from trl import SFTTrainer
+
+    threads = spec["threads"]
+    torch.set_num_threads(threads)
+    out = Path(spec["out"])
+    train, val = _datasets(spec)
+    evaluate = spec.get("eval", True)
+    args = _config(spec)
     peft_config = None
     if spec["lora"]:
         from peft import LoraConfig
@@ -113,8 +164,12 @@ def run(spec: dict) -> dict:
                                  target_modules="all-linear", task_type="CAUSAL_LM")  # fmt: skip
     timer = _step_timer()
     start_cpu = time.process_time()
-    trainer = SFTTrainer(model=spec["model"], args=args, train_dataset=train, eval_dataset=val,
+    trainer = SFTTrainer(model=spec["model"], args=args, train_dataset=train,
+                         eval_dataset=val if evaluate else None,
                          peft_config=peft_config, callbacks=[timer])  # fmt: skip
+    counter = None
+    if spec.get("count_tokens"):  # training batches only when nothing evaluates meanwhile
+        counter = trainer.data_collator = TokenCounter(trainer.data_collator)
     setup_cpu = time.process_time() - start_cpu
     t0, c0 = time.perf_counter(), time.process_time()
     trainer.train()
@@ -138,6 +193,9 @@ def run(spec: dict) -> dict:
         "gradient_checkpointing": args.gradient_checkpointing, "bf16": args.bf16,
         "log_history": state.log_history,
         "train_records": len(train), "val_records": len(val),
+        "padding_free": getattr(trainer, "padding_free", None),
+        "attn_implementation": getattr(model.config, "_attn_implementation", None),
+        **({"batches": counter.batches} if counter is not None else {}),
     }  # fmt: skip
 
 
