@@ -72,8 +72,23 @@ def check_packing(model: nn.Module, segments: bool = True) -> None:
         check_exact(model)
     except ValueError as exc:
         raise ConfigError(f"--packing: {str(exc).removeprefix('packing: ')}") from None
-    if segments:
-        use_segments(model)
+    used = segments and use_segments(model)
+    way = (
+        "one sequence at a time (gradstep.packing.segment_attention)"
+        if used
+        else f"a 4-D block-causal mask under {model.config._attn_implementation!r}"
+    )
+    _note_once(f"packing: the model attends {way}")
+
+
+_SAID: set[str] = set()
+
+
+def _note_once(line: str) -> None:
+    """A note said once a process (the planner's probe builds the model too)."""
+    if line not in _SAID:
+        _SAID.add(line)
+        note(line)
 
 
 def _rank_note(model: nn.Module, rank: int) -> None:
