@@ -300,3 +300,54 @@ def test_an_unpacked_right_padded_batch_is_plain_causal_under_segments() -> None
     with torch.no_grad():
         want = model(input_ids=ids, use_cache=False).logits
     assert float((got - want).abs().max()) < 1e-12
+
+
+# ------------------------------------------ held-out mutations (tools/mutants.py P31-*)
+
+
+def test_best_fit_puts_a_sequence_in_the_fullest_row_that_holds_it() -> None:
+    # 5 then 4 open two rows (room 3 and 4); 3 fills the first (room 0); each 2 goes to
+    # the fullest row with room: the second (4 -> 2 -> 0). Worst fit needs a third row.
+    assert plan_rows([5, 4, 3, 2, 2], 8, order="bfd") == [[0, 2], [1, 3, 4]]
+
+
+def test_max_leak_is_the_worst_sequence_not_the_first() -> None:
+    """The first sequence of a row cannot leak (nothing before it): a leak shows in the
+    later ones, and max_leak must report it, so check_exact refuses."""
+    import gradstep.packing as packing
+
+    model = hf_assets.build_model("llama", seed=0, attn_implementation="sdpa").double()
+    real = packing.mask_for
+
+    def no_boundaries(m, batch, dtype):  # causal, but across the sequences
+        out = real(m, batch, dtype)
+        out["attention_mask"] = block_causal_mask(torch.zeros_like(batch["seq_ids"]))
+        return out
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(packing, "mask_for", no_boundaries)
+    try:
+        assert packing.max_leak(model) > 1e-2
+        with pytest.raises(ValueError, match="attend to each other"):
+            packing.check_exact(model)
+    finally:
+        mp.undo()
+
+
+def test_opt_needs_the_mask_not_the_positions_alone() -> None:
+    """The run's HF loss on packed rows of OPT (whose attention does not read sequence
+    starts from position_ids) equals each sequence alone: the 4-D mask is built."""
+    from gradstep_cli.models.hf_loss import HFLoss
+
+    model = _model("opt", "sdpa")
+    seqs = _sequences(seed=4)[:3]
+    batch = pack(seqs, [[0, 1, 2]])
+    batch["labels"] = batch.pop("shift_labels")
+    got = HFLoss(torch.device("cpu"))(model, batch)
+    want = sum(
+        float(
+            causal_lm_loss(model, {"input_ids": s[None], "shift_labels": lab[None]}).total.detach()
+        )
+        for s, lab in seqs
+    )
+    assert float(got.total.detach()) == pytest.approx(want, rel=EXACT)

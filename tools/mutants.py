@@ -1,15 +1,15 @@
 #!/usr/bin/env python3
 """Apply realistic bugs to gradstep one at a time and check that the tests catch each.
 
-Usage: ``python tools/mutants.py [--only ID,ID] [--audit | --held-out-3] [--list]
-[--check] [--markers EXPR] [--timeout S]`` (``make mutants``). For every mutation: copy
+Usage: ``python tools/mutants.py [--only ID,ID] [--audit | --held-out-3 | --held-out-31]
+[--list] [--check] [--markers EXPR] [--timeout S]`` (``make mutants``). For every mutation: copy
 ``src/`` to a temporary folder, apply the edit there (the working tree is never touched, so
 this can run beside other work), run the tests that guard that code with the copy first on
 ``PYTHONPATH`` (spawned ranks and CLI subprocesses inherit it), and call the mutation caught
 when they fail. One line per mutation, then ``N caught, M survived``; the exit status is 1
 when any survived (2 when the tool itself cannot run a mutation).
 
-Three groups. The default run (``make mutants``) is the curated list: the 14 of the test
+Four groups. The default run (``make mutants``) is the curated list: the 14 of the test
 audit (shared/reviews/test-audit.md, M1-M8 and P1-P6) and bugs one could write in the code
 of the later issues (N1-...), each against the test files that guard its code. ``--audit``
 runs instead the 43 of a held-out audit written from the code alone (A1-A43, issue 20 §4),
@@ -18,9 +18,13 @@ each against the whole suite: hours on a small machine, so never part of the def
 flags). ``--held-out-3`` runs instead the 36 of a third held-out audit, also written from
 the code alone (H1-H36), of the round that added tensor parallel and HSDP meshes, read
 leases, safe DCP reading, the export folder and the run lock: each against the whole suite
-too, so never part of the default run either. ``--only ID,ID`` picks mutations of any group
-by id. A few A mutations are re-expressed against later code (the same bug where the text
-moved or the old text became dead or equivalent): their comments say which and how.
+too, so never part of the default run either. ``--held-out-31`` runs instead the 24 of a
+held-out audit of issue 31 §1-§2 (padding-free packing, evaluation a chunk of positions at a
+time), also written from the code alone, never from the tests (P31-1-P31-24): each against
+the suite's packing and chunked-loss tests (minutes each). ``--only ID,ID`` picks mutations
+of any group by id. A few A mutations are re-expressed against later code (the same bug
+where the text moved or the old text became dead or equivalent): their comments say which
+and how.
 
 Each edit is an exact substring that must occur exactly once, so a refactor that moves the
 code makes the tool fail loudly instead of testing nothing. ``--check`` only applies every
@@ -68,6 +72,17 @@ LAYOUT = "gradstep/checkpoint/layout.py"
 RUNF = "gradstep_cli/run/folder.py"
 RUNL = "gradstep_cli/run/lock.py"
 DIST = "tests/parallel"
+PACK = "gradstep/packing.py"
+PACKED = "gradstep_cli/data/packed.py"
+TOK = "gradstep_cli/data/tokenized.py"
+EVAL = "gradstep_cli/run/evaluation.py"
+T31 = (
+    "tests/test_packing.py tests/cli/data tests/cli/test_sft_packed.py "
+    "tests/cli/run/test_validation_metrics.py tests/cli/models "
+    "tests/integration/cli/test_packing_runs.py tests/integration/cli/test_chunked_loss_runs.py "
+    "tests/hf"
+)
+"""The suite's packing and chunked-loss tests: what guards the held-out-31 mutations."""
 
 MUTATIONS = [
     # ------------------------------------------------------------ the audit's 14
@@ -1425,6 +1440,298 @@ MUTATIONS = [
         "tests/memory tests/integration/cli/test_plan.py tests/integration/cli/test_plan_cli.py "
         "tests/cli/test_mesh_runs.py",
     ),
+    # --- held-out audit of issue 31 (``--held-out-31``): written from the code alone, never
+    # from the tests, against §1 (padding-free packing: gradstep.packing, the CLI's packed
+    # stream, the packed paths of the demo GPT's and HF models' losses) and §2 (evaluation
+    # a chunk of positions at a time); each against the suite's packing and chunking tests.
+    # Left out as equivalent: merge_rows padding seq_ids with 0 (it only ever merges stream
+    # items, and packed ones are all --seq-len wide: nothing is padded; padding would come
+    # after every real position with -100 labels anyway, so no loss or gradient could move).
+    m(
+        "P31-1",
+        "pack: each sequence's positions start at 1, not 0",
+        PACK,
+        [
+            (
+                "positions[r, at : at + n] = torch.arange(n)",
+                "positions[r, at : at + n] = torch.arange(1, n + 1)",
+            )
+        ],
+        T31,
+    ),
+    m(
+        "P31-2",
+        "pack: the row's padding gets the last sequence's id, not one of its own",
+        PACK,
+        [
+            (
+                "seq_ids[r, at:] = len(row)  # the padding: its own sequence",
+                "seq_ids[r, at:] = len(row) - 1  # the padding: its own sequence",
+            )
+        ],
+        T31,
+    ),
+    m(
+        "P31-3",
+        "block-causal mask: a position also attends to the next one (tril(1))",
+        PACK,
+        [
+            (
+                "torch.ones(t, t, dtype=torch.bool, device=seq_ids.device).tril()",
+                "torch.ones(t, t, dtype=torch.bool, device=seq_ids.device).tril(1)",
+            )
+        ],
+        T31,
+    ),
+    m(
+        "P31-4",
+        "block-causal mask: a sequence attends to the earlier sequences of its row (>=, not ==)",
+        PACK,
+        [
+            (
+                "allowed = (seq_ids[:, :, None] == seq_ids[:, None, :]) & causal",
+                "allowed = (seq_ids[:, :, None] >= seq_ids[:, None, :]) & causal",
+            )
+        ],
+        T31,
+    ),
+    m(
+        "P31-5",
+        "mask_for: the boolean mask under eager too (eager adds it to the scores)",
+        PACK,
+        [
+            (
+                'block_causal_mask(batch["seq_ids"], None if impl == "sdpa" else dtype)',
+                'block_causal_mask(batch["seq_ids"])',
+            )
+        ],
+        T31,
+    ),
+    m(
+        "P31-6",
+        "max_leak: the smallest per-sequence difference (the first sequence's, always 0)",
+        PACK,
+        [
+            (
+                "    return max(float((packed[o : o + len(s)] - a).abs().max())",
+                "    return min(float((packed[o : o + len(s)] - a).abs().max())",
+            )
+        ],
+        T31,
+    ),
+    m(
+        "P31-7",
+        "check_exact: the leak is measured in float64 only (a float32 model is never checked)",
+        PACK,
+        [
+            (
+                "    if dtype in (torch.float32, torch.float64):\n        leak = max_leak(model)",
+                "    if dtype == torch.float64:\n        leak = max_leak(model)",
+            )
+        ],
+        T31,
+    ),
+    m(
+        "P31-8",
+        "pack_epoch: a window's rows index its own spans from 0, not from the window's start "
+        "(past 4096 spans the first window's spans are read again, the later ones never)",
+        PACKED,
+        [
+            (
+                "order.append(np.asarray(row, dtype=np.int64) + at)",
+                "order.append(np.asarray(row, dtype=np.int64))",
+            )
+        ],
+        T31,
+    ),
+    m(
+        "P31-9",
+        "PackedPlan: the epoch's last, short micro-batch is dropped (floor, not ceil)",
+        PACKED,
+        [
+            (
+                "        return -(-self.rows // self.rows_per_batch)",
+                "        return self.rows // self.rows_per_batch",
+            )
+        ],
+        T31,
+    ),
+    m(
+        "P31-10",
+        "best-fit decreasing: worst fit (the roomiest row, not the fullest that holds it)",
+        PACK,
+        [("            room, r = free.pop(at)", "            room, r = free.pop()")],
+        T31,
+    ),
+    m(
+        "P31-11",
+        "pack_epoch: the rows are left in best-fit order, not shuffled",
+        PACKED,
+        [
+            (
+                "    shuffled = rng.permutation(len(size))",
+                "    shuffled = np.arange(len(size))",
+            )
+        ],
+        T31,
+    ),
+    m(
+        "P31-12",
+        "pack_epoch: the rows shuffled by an unseeded generator (a resumed run sees other rows)",
+        PACKED,
+        [
+            (
+                "    shuffled = rng.permutation(len(size))",
+                "    shuffled = np.random.default_rng().permutation(len(size))",
+            )
+        ],
+        T31,
+    ),
+    m(
+        "P31-13",
+        "packed_batch: the padding's labels are 0 (the pad id), not -100",
+        PACKED,
+        [
+            (
+                "    labels = torch.full(shape, -100, dtype=torch.long)",
+                "    labels = torch.zeros(shape, dtype=torch.long)",
+            )
+        ],
+        T31,
+    ),
+    m(
+        "P31-14",
+        "packed_batch: positions count from the row's start, not each span's",
+        PACKED,
+        [
+            (
+                "positions[r, at : at + m] = torch.arange(m)",
+                "positions[r, at : at + m] = torch.arange(at, at + m)",
+            )
+        ],
+        T31,
+    ),
+    m(
+        "P31-15",
+        "data resume: a packed checkpoint loads into an unpacked stream (packing not checked)",
+        TOK,
+        [
+            (
+                '("seed", "seq_len", "micro_batch_size", "packing", "data_bytes", "data_digest")',
+                '("seed", "seq_len", "micro_batch_size", "data_bytes", "data_digest")',
+            )
+        ],
+        T31,
+    ),
+    m(
+        "P31-16",
+        "epoch_sequences: the packed rows counted, not the spans in them",
+        TOK,
+        [
+            (
+                "return len(plan.spans) if isinstance(plan, PackedPlan)",
+                "return plan.rows if isinstance(plan, PackedPlan)",
+            )
+        ],
+        T31,
+    ),
+    m(
+        "P31-17",
+        "packed stream: the too-little-data check counts spans, before they are packed into rows",
+        TOK,
+        [
+            (
+                "            rows = packed.rows if self.packing else len(spans)",
+                "            rows = len(spans)",
+            )
+        ],
+        T31,
+    ),
+    m(
+        "P31-18",
+        "merge_rows: only input_ids and labels kept (--global-batch drops the packed keys)",
+        "gradstep_cli/data/batching.py",
+        [
+            (
+                "for b in batches]) for key in batches[0]}",
+                'for b in batches]) for key in ("input_ids", "labels")}',
+            )
+        ],
+        T31,
+    ),
+    m(
+        "P31-19",
+        "HFLoss: a packed batch gets its position_ids only, no 4-D mask (the sequences leak)",
+        "gradstep_cli/models/hf_loss.py",
+        [
+            (
+                "            moved = mask_for(model, moved, dtype)\n",
+                '            moved = {k: v for k, v in moved.items() if k != "seq_ids"}\n',
+            )
+        ],
+        T31,
+    ),
+    m(
+        "P31-20",
+        "GPTLoss (--loss-chunk-tokens): a packed batch's seq_ids and positions not passed",
+        "gradstep_cli/run/components.py",
+        [
+            (
+                "        return model(ids, labels, **row_kwargs(batch, self.device))",
+                "        return model(ids, labels)",
+            )
+        ],
+        T31,
+    ),
+    m(
+        "P31-21",
+        "LMLoss: a packed batch's seq_ids and positions not passed",
+        EVAL,
+        [
+            (
+                "        logits = model(ids, **row_kwargs(batch, self.device))",
+                "        logits = model(ids)",
+            )
+        ],
+        T31,
+    ),
+    m(
+        "P31-22",
+        "GPT hidden=True: the hidden states before the final norm",
+        "gradstep_cli/models/gpt.py",
+        [
+            (
+                "evaluation applies it a chunk at a time\n            return out",
+                "evaluation applies it a chunk at a time\n            return x",
+            )
+        ],
+        T31,
+    ),
+    m(
+        "P31-23",
+        "token_sums: only whole chunks are scored (the tail of the targets is skipped)",
+        EVAL,
+        [
+            (
+                "    for start in range(0, len(targets), chunk_tokens):",
+                "    for start in range(0, len(targets) // chunk_tokens * chunk_tokens, "
+                "chunk_tokens):",
+            )
+        ],
+        T31,
+    ),
+    m(
+        "P31-24",
+        "token_sums with a head: accuracy from the hidden states' argmax, not the logits'",
+        EVAL,
+        [
+            (
+                "sums[2] += (logits.argmax(dim=-1) == target).sum().double()",
+                "sums[2] += (chunk.argmax(dim=-1) == target).sum().double()",
+            )
+        ],
+        T31,
+    ),
 ]
 
 
@@ -1446,6 +1753,8 @@ AUDIT_PREFIX = "A"
 """Ids of the held-out audit's mutations (``--audit``)."""
 HELD_OUT_3_PREFIX = "H"
 """Ids of the third held-out audit's mutations (``--held-out-3``)."""
+HELD_OUT_31_PREFIX = "P31-"
+"""Ids of issue 31's held-out audit's mutations (``--held-out-31``)."""
 
 MARKERS: str | None = None
 """``-m`` expression for every pytest run (``--markers``); None runs every test."""
@@ -1493,7 +1802,9 @@ def _choose(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[M
         return [mu for mu in MUTATIONS if mu.id.startswith(AUDIT_PREFIX)]
     if args.held_out_3:
         return [mu for mu in MUTATIONS if mu.id.startswith(HELD_OUT_3_PREFIX)]
-    held_out = (AUDIT_PREFIX, HELD_OUT_3_PREFIX)
+    if args.held_out_31:
+        return [mu for mu in MUTATIONS if mu.id.startswith(HELD_OUT_31_PREFIX)]
+    held_out = (AUDIT_PREFIX, HELD_OUT_3_PREFIX, HELD_OUT_31_PREFIX)
     return [mu for mu in MUTATIONS if not mu.id.startswith(held_out)]
 
 
@@ -1530,6 +1841,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="the third held-out audit's H1-H36 against the whole suite (hours) instead of "
         "the curated list",
+    )
+    group.add_argument(
+        "--held-out-31",
+        action="store_true",
+        help="issue 31's held-out audit P31-1-P31-24 (packing, chunked evaluation) against "
+        "the packing and chunked-loss tests instead of the curated list",
     )
     parser.add_argument("--list", action="store_true", help="list the mutations and exit")
     parser.add_argument(

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import numpy as np
@@ -129,3 +130,37 @@ def test_a_checkpoint_of_the_other_packing_is_refused() -> None:
     state = TrainBatches(data, 16, 2, packing=True).state_dict()
     with pytest.raises(ValueError, match="data state mismatch for 'packing': saved True, now"):
         TrainBatches(data, 16, 2).load_state_dict(state)
+
+
+def test_the_rows_are_shuffled_by_the_epochs_generator() -> None:
+    """Best-fit orders rows longest first: the epoch's generator shuffles them after."""
+    from gradstep.packing import plan_rows
+
+    n = np.random.default_rng(1).integers(2, 17, 40)
+    spans = np.stack([100 * np.arange(40), n], axis=1)
+    rng = np.random.default_rng(7)
+    twin = copy.deepcopy(rng)
+    plan, _ = pack_epoch(spans, 16, rng)
+    rows = plan_rows((n - 1).tolist(), 16, order="bfd")
+    want = [spans[rows[i]] for i in twin.permutation(len(rows))]
+    got = [row for batch in plan for row in batch]
+    assert len(got) == len(want)
+    assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_too_few_packed_rows_for_a_micro_batch_is_refused() -> None:
+    data = Sequences([np.arange(1, 11)] * 3)  # 3 spans that fill 1 row of 64
+    with pytest.raises(ValueError, match="1 packed row per epoch, 0 micro-batches of 2"):
+        TrainBatches(data, 64, 2, packing=True)
+
+
+def test_merging_packed_rows_keeps_their_sequences() -> None:
+    """--packing --global-batch merges single rows: seq_ids and positions come along."""
+    from gradstep_cli.data.batching import merge_rows
+
+    stream = TrainBatches(lengths_source([30, 12, 50, 7, 22] * 4), 32, 1, packing=True)
+    a, b = next(stream), next(stream)
+    merged = merge_rows([a, b])
+    assert set(merged) == {"input_ids", "labels", "seq_ids", "position_ids"}
+    for key in merged:
+        assert torch.equal(merged[key], torch.cat([a[key], b[key]]))

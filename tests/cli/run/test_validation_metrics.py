@@ -87,6 +87,16 @@ def test_a_chunked_evaluation_equals_the_whole_logits_one(tie: bool) -> None:
         assert got.entropy == pytest.approx(whole.entropy, rel=1e-6)
 
 
+def test_accuracy_with_a_head_is_that_of_the_projected_logits() -> None:
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 32, bias=False)
+    hidden = torch.randn(2, 7, 8)
+    with torch.no_grad():
+        labels = head(hidden).argmax(-1)
+        labels[0, 5:] = -100  # 12 targets, each the argmax: accuracy 1
+        assert token_sums(hidden, labels, head, 3)[2] == token_sums(head(hidden), labels)[2] == 12
+
+
 def test_a_chunked_hf_evaluation_equals_the_whole_logits_one() -> None:
     pytest.importorskip("transformers")
     from gradstep_cli.run.evaluation import Logits
