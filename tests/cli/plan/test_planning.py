@@ -41,6 +41,7 @@ def _sum(out):  # a LossSum of every output element
 
 def test_no_probe_predicts_each_candidate_for_its_own_accumulation_steps(capsys):
     argv = ["plan", *MODEL, "--global-batch", "6", "--no-probe", "--device", "cpu"]
+    argv += ["--loss-chunk-tokens", "0"]  # analytic()'s whole logits (the default chunks)
     assert main([*argv, "--memory-budget", "8GiB", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     offsets = {}
