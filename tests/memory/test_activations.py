@@ -22,11 +22,13 @@ from gradstep_cli.plan.estimate import gpt_shape
 LOSS_SCALAR = 4  # the fp32 loss the forward returns, saved by the sum's backward
 
 
-def saved_bytes(cfg: GPTConfig, rows: int, amp: bool) -> int:
-    """Bytes of the distinct non-parameter storages autograd saves in one forward."""
+def saved_bytes(cfg: GPTConfig, rows: int, amp: bool, seq_ids: torch.Tensor | None = None) -> int:
+    """Bytes of the distinct non-parameter storages autograd saves in one forward (of packed
+    rows, each with ``seq_ids``, when given)."""
     torch.manual_seed(0)
     model = GPT(cfg).train()
     ids = torch.randint(0, cfg.vocab_size, (rows, cfg.max_seq_len))
+    packed = {} if seq_ids is None else {"seq_ids": seq_ids.expand(rows, -1).clone()}
     targets = torch.randint(0, cfg.vocab_size, (rows, cfg.max_seq_len))
     storages: dict[int, int] = {}
     keep = []  # alive until counted: no address is reused by a later tensor
@@ -38,7 +40,7 @@ def saved_bytes(cfg: GPTConfig, rows: int, amp: bool) -> int:
 
     hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
     with hooks, torch.autocast("cpu", torch.bfloat16, enabled=amp):
-        token_loss(model(ids), targets)
+        token_loss(model(ids, **packed), targets)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     return sum(n for ptr, n in storages.items() if ptr not in params)
 
@@ -86,3 +88,24 @@ def test_dropout_costs_memory_and_the_math_attention_grows_with_the_square():
     per_item = estimate_step_memory(shape, 1, dropout=0.1, attention="math").activations_per_item
     long_item = estimate_step_memory(long, 1, dropout=0.1, attention="math").activations_per_item
     assert long_item > 2.5 * per_item  # superlinear in the sequence length
+
+
+def test_packed_rows_keep_each_layers_mask_and_each_rows_rotary_tables():
+    """Packed rows (``seq_ids``): SDPA turns the boolean block-causal mask into an additive
+    one in the query's dtype and every layer saves its own copy (T x T per row); the rotary
+    tables are each row's (``position_ids`` restart per sequence) instead of one shared. On
+    top of what is saved, the boolean mask and the int64 ``seq_ids``/``position_ids`` are
+    alive the whole step: the formula has them too."""
+    from gradstep.memory.activations import activations
+
+    for amp in (False, True):
+        cfg = GPTConfig(n_layer=2, n_head=2, d_model=16, max_seq_len=32)
+        rows, seq = 3, cfg.max_seq_len
+        ids = torch.arange(seq) >= seq // 2  # two sequences a row
+        saved = {packed: saved_bytes(cfg, rows, amp, ids.long() if packed else None)
+                 for packed in (False, True)}  # fmt: skip
+        sizes = _Bytes(4, 2 if amp else 4, 4, 4)
+        shape = gpt_shape(cfg)
+        plain, packed = (activations(shape, sizes, rows, False, packed=p)[0] for p in (False, True))
+        alive = rows * seq * (seq + 2 * 8)  # the boolean mask, seq_ids and position_ids
+        assert saved[True] - saved[False] == packed - plain - alive, amp

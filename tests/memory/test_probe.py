@@ -61,6 +61,38 @@ def test_budget_from_one_point_is_an_upper_bound(monkeypatch):
     assert res.skipped == [4]
 
 
+def test_the_analytic_cost_per_item_lets_a_tight_budget_measure_a_second_size(monkeypatch):
+    """A big fixed cost above the baseline (model, optimizer state) made the one-point upper
+    bound charge it all to the items: b=2 predicted 1000 + 2 * 600 = 2200 > 1800 MiB, so a
+    tight budget measured one size and every larger one looked as if it would not fit."""
+    mib = 2**20
+    mem = FakeMemory(monkeypatch, fixed=1500 * mib, per_item=100 * mib, baseline=1000 * mib)
+    upper = probe_memory(mem.run, (1, 2, 4), device="cpu", budget_bytes=1800 * mib, warmup=False)
+    assert upper.one_size and upper.per_item_source == "upper bound"
+    assert upper.per_item_bytes == 600 * mib and upper.predict(2) == 2200 * mib
+    mem = FakeMemory(monkeypatch, fixed=1500 * mib, per_item=100 * mib, baseline=1000 * mib)
+    res = probe_memory(
+        mem.run, (1, 2, 4), device="cpu", budget_bytes=1800 * mib, warmup=False,
+        per_item_bytes=110 * mib,
+    )  # fmt: skip
+    # b=2: 1600 + 1.5 * 110 + 16 (a new shape's kernels) = 1781 fits; then the measured
+    # line stops b=4 (1900 > 1800).
+    assert mem.calls == [1, 2] and res.skipped == [4]
+    assert (res.fixed_bytes, res.per_item_bytes) == (1500 * mib, 100 * mib)
+    assert res.per_item_source == "measured"
+
+
+def test_a_one_size_probe_takes_the_analytic_cost_per_item_through_its_point(monkeypatch):
+    mem = FakeMemory(monkeypatch, fixed=1500, per_item=100, baseline=1000)
+    res = probe_memory(
+        mem.run, (1, 2), device="cpu", budget_bytes=1700, warmup=False, per_item_bytes=110
+    )
+    assert mem.calls == [1] and res.one_size and res.per_item_source == "analytic"
+    assert res.predict(1) == 1600 and res.per_item_bytes == 110  # the point is on the line
+    assert res.predict(4) == 1600 + 3 * 110  # not 1000 + 4 * 600
+    assert "the per-item cost is the analytic model's" in res.describe()
+
+
 def test_analytic_estimate_guards_the_first_run(monkeypatch):
     mem = FakeMemory(monkeypatch)
     with pytest.raises(ValueError, match="memory budget"):

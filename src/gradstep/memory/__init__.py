@@ -5,6 +5,7 @@
   :class:`HFShape` (:func:`from_hf_config`), the optimizer as an :class:`OptimizerMemory`;
 - :mod:`.probe`: :func:`probe_memory`, real steps measured (:class:`ProbeResult`);
 - :mod:`.plan`: :func:`plan_step`, the fastest split of the global batch within a budget;
+  :mod:`.speed`: :func:`step_time_model`, how it ranks candidates (a count of their work);
 - :mod:`.process`: what a process's memory is, and the settings a CPU budget relies on;
 - :mod:`.checkpointing`: :func:`checkpoint_blocks`; :mod:`.units`: sizes as text.
 
@@ -32,6 +33,7 @@ from .plan import (
 )
 from .probe import (
     KERNEL_CACHE_CAPACITY,
+    SHAPE_GUESS_BYTES,
     ProbeResult,
     bound_kernel_caches,
     current_bytes,
@@ -42,11 +44,13 @@ from .probe import (
     runtime_bytes,
 )
 from .process import available_bytes
+from .speed import step_time_model
 from .states import OptimizerMemory
 from .units import format_bytes, parse_size
 
 __all__ = [
     "KERNEL_CACHE_CAPACITY",
+    "SHAPE_GUESS_BYTES",
     "BudgetTooSmall",
     "Candidate",
     "HFShape",
@@ -76,5 +80,6 @@ __all__ = [
     "reset_peak",
     "runtime_bytes",
     "step_predictor",
+    "step_time_model",
     "sweep_widths",
 ]

@@ -14,7 +14,14 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .shape import TransformerShape
 
-__all__ = ["ATTENTION", "activations", "chunk_bytes", "chunked_head_terms", "per_token_terms"]
+__all__ = [
+    "ATTENTION",
+    "activations",
+    "chunk_bytes",
+    "chunked_head_terms",
+    "packed_terms",
+    "per_token_terms",
+]
 
 _FP32 = 4
 _INT64 = 8
@@ -125,6 +132,25 @@ def chunked_head_terms(
     return out
 
 
+def packed_terms(
+    terms: dict[str, float], seq_len: int, e_attention: int, rope: float, layers: int = 0
+) -> dict[str, float]:
+    """``terms`` for packed rows (``--packing``: a block-causal mask, positions restarting at
+    each sequence). Per token of a row of ``seq_len`` positions: the boolean
+    ``(rows, 1, T, T)`` mask (``T`` bytes) and the int64 ``seq_ids`` and ``position_ids``,
+    kept the whole step (``stem``), with ``rope`` bytes of rotary tables per position (a
+    row's own, not shared by the rows); and in every attention layer (``block``, and
+    ``blocks`` of ``layers`` layers where the terms sum them: an HF model's), the mask as
+    SDPA turns it into an additive one in the query's dtype ``e_attention`` and saves it
+    for backward (torch 2.13 on CPU: one ``T x T`` copy per row and layer, measured)."""
+    out = dict(terms)
+    out["stem"] = terms["stem"] + seq_len + 2 * _INT64 + rope
+    out["block"] = terms["block"] + e_attention * seq_len
+    if layers:
+        out["blocks"] = terms["blocks"] + layers * e_attention * seq_len
+    return out
+
+
 def chunk_bytes(
     vocab: int, d: int, chunk: int, tokens: int, e_c: int, e_weight: int, head_grad: bool
 ) -> int:
@@ -148,6 +174,7 @@ def activations(
     dropout: bool = False,
     attention: str = "fused",
     loss_chunk_tokens: int = 0,
+    packed: bool = False,
 ) -> tuple[int, float]:
     """(peak activation bytes, bytes per item) of one micro-batch.
 
@@ -161,9 +188,12 @@ def activations(
     (the demo GPT's ``loss_chunk_tokens``): the head phase holds one chunk's logits
     (:func:`chunk_bytes`) instead of the whole micro-batch's (:func:`chunked_head_terms`).
     The bytes per item are then the slope of the peak in the micro-batch size.
+    ``packed``: rows of ``--packing`` (:func:`packed_terms`; each row's own rotary tables).
     """
     t = per_token_terms(shape, b, dropout, attention, micro_batch_size)
     d, e_r, e_c = shape.d_model, b.residual, b.compute
+    if packed:
+        t = packed_terms(t, shape.seq_len, e_c, 2 * shape.head_dim * e_r)
     fixed = 0
     if loss_chunk_tokens:
         t = chunked_head_terms(t, d, e_r, e_r, d * e_c + shape.vocab_size * _FP32)
@@ -176,8 +206,9 @@ def activations(
     else:
         head_phase = layers * t["block"] + t["head"] + t["ce_temporaries"]
         block_phase = layers * t["block"] + t["block_temporaries"]
-    # cos/sin tables of (seq_len, head_dim), in the residual dtype, shared by all blocks.
-    rope = 2 * shape.seq_len * shape.head_dim * b.residual
+    # cos/sin tables of (seq_len, head_dim), in the residual dtype, shared by all blocks
+    # (packed: each row's own, in ``stem``).
+    rope = 0 if packed else 2 * shape.seq_len * shape.head_dim * b.residual
     items = micro_batch_size * shape.seq_len
     per_item = (max(head_phase, block_phase) + t["stem"]) * shape.seq_len
     if not fixed:

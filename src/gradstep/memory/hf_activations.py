@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from .activations import _Bytes, chunk_bytes, chunked_head_terms
+from .activations import _Bytes, chunk_bytes, chunked_head_terms, packed_terms
 from .hf_shape import Linear
 
 if TYPE_CHECKING:
@@ -229,15 +229,20 @@ def hf_activations(
     micro_batch_size: int,
     checkpointing: bool,
     loss_chunk_tokens: int = 0,
+    packed: bool = False,
 ) -> tuple[int, float]:
     """(peak activation bytes, bytes per item) of one micro-batch, as
     :func:`gradstep.memory.activations.activations` for the demo GPT: without
     checkpointing everything saved plus the loss's or the top block's backward
     temporaries; with it, every layer's input plus one recomputed layer.
     ``loss_chunk_tokens=N``: ``causal_lm_loss(chunk_tokens=N)`` (:func:`chunks_loss`), one
-    chunk's logits in the head phase instead of the whole micro-batch's."""
+    chunk's logits in the head phase instead of the whole micro-batch's. ``packed``: rows of
+    ``--packing`` (:func:`gradstep.memory.activations.packed_terms`)."""
     t = hf_per_token_terms(shape, b, loss_chunk_tokens)
     layers = shape.n_layer
+    if packed:
+        rope = 2 * 2 * math.ceil(shape.rotary_dim / 2) * b.residual
+        t = packed_terms(t, shape.seq_len, b.compute, rope, layers)
     if checkpointing:
         head_phase = layers * t["block_input"] + t["head"] + t["ce_temporaries"]
         block_phase = (layers - 1) * t["block_input"] + t["block"] + t["block_temporaries"]
@@ -246,22 +251,23 @@ def hf_activations(
         block_phase = t["blocks"] + t["block_temporaries"]
     per_item = (max(head_phase, block_phase) + t["stem"]) * shape.seq_len
     if not chunks_loss(shape, loss_chunk_tokens):
-        return round(per_item * micro_batch_size + _per_batch(shape, b)), per_item
+        return round(per_item * micro_batch_size + _per_batch(shape, b, packed)), per_item
     items = micro_batch_size * shape.seq_len
     head_grad = not shape.lora  # LoRA freezes the base, the head included
     fixed = chunk_bytes(
         shape.vocab_size, shape.d_model, loss_chunk_tokens, items, b.compute, b.unsharded, head_grad
     )
     peak = max(head_phase * items + fixed, block_phase * items) + t["stem"] * items
-    return round(peak + _per_batch(shape, b)), per_item
+    return round(peak + _per_batch(shape, b, packed)), per_item
 
 
-def _per_batch(shape: HFShape, b: _Bytes) -> int:
+def _per_batch(shape: HFShape, b: _Bytes, packed: bool = False) -> int:
     """Bytes that do not grow with the micro-batch: RoPE's cos/sin tables (seq_len x the
     rotated dims, rounded up to pairs, in the residual dtype), computed once per forward
-    and kept once for all layers; per MoE layer grouped-mm's int32 offsets and, with
-    adapters on the experts, the adapted expert tensors."""
-    rope = 2 * shape.seq_len * 2 * math.ceil(shape.rotary_dim / 2) * b.residual
+    and kept once for all layers (packed rows: each row's own, in the per-token terms);
+    per MoE layer grouped-mm's int32 offsets and, with adapters on the experts, the
+    adapted expert tensors."""
+    rope = 0 if packed else 2 * shape.seq_len * 2 * math.ceil(shape.rotary_dim / 2) * b.residual
     moe_layers = sum(shape.is_moe(layer) for layer in range(shape.n_layer))
     moe = shape.experts * 4  # grouped-mm's int32 offsets
     if _expert_adapters(shape):

@@ -142,10 +142,11 @@ def _activations(
     dropout: float,
     attention: str,
     chunk: int = 0,
+    packed: bool = False,
 ) -> tuple[int, float]:
     if isinstance(shape, HFShape):
-        return hf_activations(shape, sizes, mbs, checkpointing, chunk)
-    return activations(shape, sizes, mbs, checkpointing, dropout > 0, attention, chunk)
+        return hf_activations(shape, sizes, mbs, checkpointing, chunk, packed)
+    return activations(shape, sizes, mbs, checkpointing, dropout > 0, attention, chunk, packed)
 
 
 def _weight_copies(shape: Shape, sizes: _Bytes, checkpointing: bool) -> int:
@@ -181,6 +182,7 @@ def estimate_step_memory(
     frozen_dtype: torch.dtype | None = None,
     layout: Layout | None = None,
     loss_chunk_tokens: int = 0,
+    packed: bool = False,
 ) -> MemoryEstimate:
     """Predicted bytes per device of one ``Stepper.step`` with micro-batches of
     ``micro_batch_size`` sequences of ``shape.seq_len`` tokens.
@@ -199,13 +201,11 @@ def estimate_step_memory(
     reduce-scatter buffers too). ``fixed_bytes``: the runtime's own cost (CUDA context;
     on CPU interpreter + torch: probe it). ``dropout`` and ``attention`` (``"fused"`` or
     ``"math"``: :data:`gradstep.memory.activations.ATTENTION`) are a TransformerShape's.
-
     ``layout`` (``sharded``; a :class:`gradstep.parallel.Layout`, None: ``Layout()``;
     docs/library/memory.md): ``dp_replicate=R`` (HSDP) and ``tp=N`` (the blocks' matmuls
-    split) leave FSDP2 ``world_size / (R x N)`` ranks.
-
-    ``loss_chunk_tokens=N`` (0: whole logits): the loss of
-    :func:`gradstep.step.loss.chunked_token_loss`, one chunk's logits at a time.
+    split) leave FSDP2 ``world_size / (R x N)`` ranks. ``loss_chunk_tokens=N`` (0: whole
+    logits): :func:`gradstep.step.loss.chunked_token_loss`, one chunk's logits at a time.
+    ``packed``: rows of several sequences (:func:`~gradstep.memory.activations.packed_terms`).
     """
     _check_args(micro_batch_size, world_size, attention, loss_chunk_tokens)
     shape, shard_ranks = _mesh(shape, world_size, sharded, layout)
@@ -215,7 +215,7 @@ def estimate_step_memory(
     opt_memory = _optimizer_memory(optimizer, foreach)
     states = _model_states(shape, sizes, shard_ranks if shards else 1, opt_memory)
     ckpt, chunk = activation_checkpointing, loss_chunk_tokens
-    acts = _activations(shape, sizes, micro_batch_size, ckpt, dropout, attention, chunk)
+    acts = _activations(shape, sizes, micro_batch_size, ckpt, dropout, attention, chunk, packed)
     held = _held_in_backward(
         shape, sizes, shards, shard_ranks, accum_steps, sync_each_micro_batch, ckpt, accum > 0
     )

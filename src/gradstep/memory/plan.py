@@ -1,20 +1,24 @@
-"""Choose micro-batch size, accumulation steps and activation checkpointing for a budget.
+"""Choose micro-batch size, accumulation steps, activation checkpointing (and, when asked,
+the loss's chunking) for a budget.
 
 The global batch is fixed (it is part of the optimisation: changing it changes the
 trajectory); only how each rank splits its share into micro-batches is chosen. Every
-``(micro-batch size, checkpointing)`` pair becomes a :class:`Candidate` with a predicted
-peak per device and a predicted throughput; the plan is the fastest candidate whose peak
-leaves ``margin`` of the budget free. Checkpointing costs about one extra forward per
-micro-batch, so it is chosen only when no candidate without it fits or it is faster
-(a larger micro-batch it enables can amortise a big per-micro-batch overhead).
+``(micro-batch size, checkpointing[, loss chunk])`` becomes a :class:`Candidate` with a
+predicted peak per device and a predicted throughput; the plan is the fastest candidate
+whose peak leaves ``margin`` of the budget free, near-ties decided by a fixed rule
+(:data:`TIE`). The throughput comes from ``step_time``: for the command line a count of the
+step's work (:mod:`gradstep.memory.speed`), never a timing, so that the same flags give the
+same plan in every process.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
+from .candidates import Candidate, Plan
+from .fit import _line
 from .model import Shape, estimate_step_memory
 from .probe import ProbeResult
 from .units import format_bytes, parse_size
@@ -38,128 +42,23 @@ two forwards, so one recomputed forward adds a third. An upper estimate; calibra
 torch 2.13, the demo GPT, which measured 1.15 (bench/memory.py), its backward costing more
 than two forwards."""
 
-TIE = 0.1
+TIE = 0.03
 """Candidates within this fraction of the fastest predicted throughput are ties, decided by
-a fixed rule (no checkpointing, then the larger micro-batch), not by the timings: on a
-shared CPU the probe's timings move by more than that from run to run, and ``gradstep
-plan`` and ``train --micro-batch-size auto`` must choose the same plan for the same flags."""
+a fixed rule: no checkpointing, then the first of ``loss_chunks`` (the run's own setting),
+then the larger micro-batch. The prediction is a count of work, not a timing, so the rule
+is not there to absorb noise (the same flags give the same numbers in every process) but
+the model's own resolution: differences of a few percent are within its error, and the
+rule then prefers what needs no recomputation and launches fewer micro-batches."""
 
 
 class BudgetTooSmall(ValueError):
-    """No candidate fits the budget; ``needed_bytes`` is the smallest budget that would
-    hold the smallest candidate with the margin."""
+    """No candidate fits the budget; ``needed_bytes`` is the budget the message quotes:
+    :func:`plan_step`'s ``budget_for`` of the candidate needing least (default: its
+    predicted peak with the margin)."""
 
     def __init__(self, message: str, needed_bytes: int) -> None:
         super().__init__(message)
         self.needed_bytes = needed_bytes
-
-
-@dataclass(frozen=True)
-class Candidate:
-    micro_batch_size: int
-    accum_steps: int
-    activation_checkpointing: bool
-    predicted_peak_bytes: int
-    relative_throughput: float
-    """Items per second relative to the fastest candidate that fits (1.0 = the best; above
-    1 for faster candidates that do not fit: what the budget costs)."""
-    fits: bool
-    last_micro_batch_size: int
-    """The last micro-batch of a rank's window: shorter when ``mbs`` does not divide it."""
-    step_seconds: float
-    """Predicted time of one optimizer step (in the units of ``step_time``)."""
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-
-@dataclass
-class Plan:
-    micro_batch_size: int
-    accum_steps: int
-    activation_checkpointing: bool
-    predicted_peak_bytes: int
-    budget_bytes: int
-    global_batch: int
-    candidates: list[Candidate] = field(default_factory=list)
-    world_size: int = 1
-    margin: float = 0.1
-    per_rank_batch: int = 0
-    last_micro_batch_size: int = 0
-    timed: bool = True
-    """False when the step times are not measured (a one-size probe, or none): the speed
-    column then only reflects the default step-time model, and the table leaves it out."""
-    tp: int = 1
-    """Tensor-parallel ranks per data-parallel rank: ``world_size`` counts the data-parallel
-    ranks the global batch is split over, each of them ``tp`` devices."""
-    probe_peak_bytes: int = 0
-    """The highest peak the probe reached in this process (0: no probe). A run that plans
-    itself (``--micro-batch-size auto``) probes first, so its process peaks at
-    :attr:`process_peak_bytes`; a run given the choice by hand at the prediction."""
-
-    @property
-    def process_peak_bytes(self) -> int:
-        """The peak of a process that probes, then trains at this plan."""
-        return max(self.predicted_peak_bytes, self.probe_peak_bytes)
-
-    def to_json(self) -> dict:
-        """Plain JSON types; ``candidates`` as dicts."""
-        out = asdict(self)
-        out["candidates"] = [c.to_json() for c in self.candidates]
-        out["process_peak_bytes"] = self.process_peak_bytes
-        return out
-
-    def _row(self, c: Candidate) -> tuple[str, ...]:
-        chosen = (c.micro_batch_size, c.activation_checkpointing) == (
-            self.micro_batch_size,
-            self.activation_checkpointing,
-        )
-        return (
-            "*" if chosen else "",
-            str(c.micro_batch_size),
-            str(c.accum_steps),
-            str(c.last_micro_batch_size),
-            "on" if c.activation_checkpointing else "off",
-            format_bytes(c.predicted_peak_bytes),
-            f"{c.predicted_peak_bytes / self.budget_bytes:.0%}",
-            f"{c.relative_throughput:.2f}" if self.timed else "-",
-            "yes" if c.fits else "no",
-        )
-
-    def table(self) -> str:
-        """The candidates as an aligned text table, the chosen row marked ``*``."""
-        usable = self.budget_bytes * (1 - self.margin)
-        ranks = "rank(s)" if self.tp == 1 else f"data-parallel rank(s) x {self.tp} tensor-parallel"
-        head = (
-            f"budget {format_bytes(self.budget_bytes)} per device, margin {self.margin:.0%} "
-            f"-> {format_bytes(usable)} usable; global batch {self.global_batch} over "
-            f"{self.world_size} {ranks} = {self.per_rank_batch} per rank"
-        )
-        cols = ("", "mbs", "accum", "last", "ckpt", "peak/device", "of budget", "speed", "fits")
-        order = sorted(
-            self.candidates, key=lambda c: (c.activation_checkpointing, c.micro_batch_size)
-        )
-        rows = [self._row(c) for c in order]
-        widths = [max(len(r[i]) for r in (cols, *rows)) for i in range(len(cols))]
-        lines = [head, "  ".join(h.rjust(w) for h, w in zip(cols, widths, strict=True))]
-        lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
-        if not self.timed:
-            lines.append(
-                "speed: not measured (one probe size, or no probe); among the candidates "
-                "that fit, the largest micro-batch without checkpointing is chosen"
-            )
-        lines.append(
-            f"chosen: micro-batch {self.micro_batch_size} x {self.accum_steps} accumulation "
-            f"steps (last {self.last_micro_batch_size}), activation checkpointing "
-            f"{'on' if self.activation_checkpointing else 'off'}, predicted peak "
-            f"{format_bytes(self.predicted_peak_bytes)}"
-        )
-        if self.probe_peak_bytes > self.predicted_peak_bytes:
-            lines.append(
-                f"the probe itself peaked at {format_bytes(self.probe_peak_bytes)}: a run that "
-                "plans itself (--micro-batch-size auto) peaks there"
-            )
-        return "\n".join(lines)
 
 
 def default_step_time(
@@ -200,38 +99,67 @@ def step_predictor(
     per_rank_batch: int | None = None,
     extra_bytes: int = 0,
     **estimate_kwargs: object,
-) -> Callable[[int, bool], int]:
-    """``predict(mbs, checkpointing)`` for :func:`plan_step`, from both sources.
+) -> Callable[..., int]:
+    """``predict(mbs, checkpointing, loss_chunk_tokens=None)`` for :func:`plan_step`, from
+    both sources (``loss_chunk_tokens``: a candidate's; None: ``estimate_kwargs``' setting,
+    the one the probe ran).
 
     Without a probe: the analytic total (pass ``fixed_bytes`` for the runtime). With one:
-    the probe's measured line, plus the analytic difference between the candidate and what
-    the probe ran (checkpointing ``probe_checkpointing``; ``probe_accum_steps`` micro-batches
-    per step: 1 when ``run`` is one ``Stepper.step`` of one micro-batch, None when it is a
-    bare forward/backward whose gradients stay allocated), so that one probe serves every
-    candidate; plus ``extra_bytes`` for what ``run`` did not allocate (optimizer state when
-    it did not step). ``per_rank_batch`` gives each candidate its accumulation steps.
+    the probe's measured line, bent as the analytic model bends away from a line through
+    the probe's sizes (:func:`_bend`), plus the analytic difference between the candidate
+    and what the probe ran (checkpointing ``probe_checkpointing``; ``probe_accum_steps``
+    micro-batches per step: 1 when ``run`` is one ``Stepper.step`` of one micro-batch, None
+    when it is a bare forward/backward whose gradients stay allocated), so that one probe
+    serves every candidate; plus ``extra_bytes`` for what ``run`` did not allocate
+    (optimizer state when it did not step). ``per_rank_batch`` gives each candidate its
+    accumulation steps.
     """
 
-    def estimate(mbs: int, checkpointing: bool, steps: int | None) -> int:
+    ran = estimate_kwargs.get("loss_chunk_tokens", 0)
+
+    def estimate(mbs: int, checkpointing: bool, steps: int | None, chunk: object) -> int:
+        kwargs = {**estimate_kwargs, "loss_chunk_tokens": chunk}
         est = estimate_step_memory(
             shape,
             mbs,
             activation_checkpointing=checkpointing,
             accum_steps=steps,
-            **estimate_kwargs,  # type: ignore[arg-type]
+            **kwargs,  # type: ignore[arg-type]
         )
         return est.total
 
-    def predict(mbs: int, checkpointing: bool) -> int:
+    def predict(mbs: int, checkpointing: bool, loss_chunk_tokens: int | None = None) -> int:
         steps = math.ceil(per_rank_batch / mbs) if per_rank_batch else None
+        chunk = ran if loss_chunk_tokens is None else loss_chunk_tokens
         if probe is None:
-            return estimate(mbs, checkpointing, steps) + extra_bytes
-        delta = estimate(mbs, checkpointing, steps) - estimate(
-            mbs, probe_checkpointing, probe_accum_steps
-        )
-        return probe.predict(mbs) + delta + _shape_bytes(probe, mbs, per_rank_batch) + extra_bytes
+            return estimate(mbs, checkpointing, steps, chunk) + extra_bytes
+        ran_here = estimate(mbs, probe_checkpointing, probe_accum_steps, ran)
+        delta = estimate(mbs, checkpointing, steps, chunk) - ran_here
+        measured = probe.predict(mbs) + bend(mbs, ran_here)
+        return round(measured + delta + _shape_bytes(probe, mbs, per_rank_batch) + extra_bytes)
 
+    if probe is not None:
+        bend = _bend(probe, lambda b: estimate(b, probe_checkpointing, probe_accum_steps, ran))
     return predict
+
+
+def _bend(probe: ProbeResult, ran: Callable[[int], int]) -> Callable[[int, int], float]:
+    """``(mbs, ran(mbs)) -> bytes``: how far the analytic model of what the probe ran lies
+    from its own line through the probe's sizes (the same least squares as the probe's, or
+    through its one size at the probe's cost per item). A line through 1-4 rows carries
+    on what stops growing: a 1024-token loss chunk fills at 4 rows of 256, so a chunked
+    loss's measured line over-predicted micro-batch 8 by 500 MiB at a 128k vocabulary;
+    and an optimizer step that peaks above small micro-batches' backward hides their
+    growth. Zero where the model is a line through those sizes."""
+    sizes = sorted({b for b, _, _ in probe.points})
+    if not sizes:  # a line given, not measured
+        return lambda mbs, here: 0.0
+    if len(sizes) == 1:
+        b0 = sizes[0]
+        at = ran(b0)
+        return lambda mbs, here: here - at - probe.per_item_bytes * (mbs - b0)
+    fixed, slope = _line(sizes, [ran(b) for b in sizes])
+    return lambda mbs, here: here - (fixed + slope * mbs)
 
 
 def _shape_bytes(probe: ProbeResult, mbs: int, per_rank_batch: int | None) -> int:
@@ -280,6 +208,33 @@ def _default_sizes(per_rank: int) -> list[int]:
     return sorted(sizes)
 
 
+def _keys(
+    per_rank: int,
+    sizes: Sequence[int] | None,
+    checkpointing: Sequence[bool],
+    loss_chunks: Sequence[int] | None,
+) -> tuple[list[tuple], list[tuple]]:
+    """(every candidate's (mbs, checkpointing[, chunk]), the chunk settings as tuples)."""
+    chunks = [()] if loss_chunks is None else [(c,) for c in dict.fromkeys(loss_chunks)]
+    keys = [
+        (mbs, ckpt, *chunk)
+        for ckpt in dict.fromkeys(checkpointing)
+        for chunk in chunks
+        for mbs in _sizes(per_rank, sizes)
+    ]
+    return keys, chunks
+
+
+def _sizes(per_rank: int, asked: Sequence[int] | None) -> list[int]:
+    """The micro-batch sizes to weigh: ``asked`` (default: :func:`_default_sizes`) up to
+    ``per_rank``."""
+    asked = _default_sizes(per_rank) if asked is None else asked
+    sizes = sorted({int(s) for s in asked if 1 <= s <= per_rank})
+    if not sizes:
+        raise ValueError(f"no micro-batch size in 1..{per_rank} (the per-rank batch) to plan")
+    return sizes
+
+
 def _check(budget: int, global_batch: int, world_size: int, margin: float) -> None:
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise ValueError(f"global_batch must be an int >= 1, got {global_batch!r}")
@@ -295,35 +250,39 @@ def _check(budget: int, global_batch: int, world_size: int, margin: float) -> No
 
 
 def _candidate(
-    mbs: int,
-    checkpointing: bool,
+    key: tuple,
     per_rank: int,
-    predict: Callable[[int, bool], int],
-    step_time: Callable[[int, bool], float],
+    predict: Callable[..., int],
+    step_time: Callable[..., float],
     usable: float,
 ) -> tuple[Candidate, float]:
+    """``key``: (mbs, checkpointing), with the loss chunk when it is planned."""
+    mbs, rest = key[0], key[1:]
     steps = math.ceil(per_rank / mbs)
     last = per_rank - (steps - 1) * mbs
-    peak = int(predict(mbs, checkpointing))
-    seconds = (steps - 1) * step_time(mbs, checkpointing) + step_time(last, checkpointing)
+    peak = int(predict(mbs, *rest))
+    seconds = (steps - 1) * step_time(mbs, *rest) + step_time(last, *rest)
     if last != mbs:
-        peak = max(peak, int(predict(last, checkpointing)))
-    cand = Candidate(mbs, steps, checkpointing, peak, 0.0, peak <= usable, last, seconds)
+        peak = max(peak, int(predict(last, *rest)))
+    chunk = rest[1] if len(rest) > 1 else None
+    cand = Candidate(mbs, steps, rest[0], peak, 0.0, peak <= usable, last, seconds, chunk)
     return cand, per_rank / seconds
 
 
-def _too_small(candidates: list[Candidate], budget: int, margin: float) -> BudgetTooSmall:
-    """The error when no candidate fits: the smallest one, and the budget that holds it."""
-    smallest = min(candidates, key=lambda c: c.predicted_peak_bytes)
-    need = needed_budget(smallest.predicted_peak_bytes, margin)
+def _too_small(
+    candidates: list[Candidate], budget: int, margin: float, budget_for: Callable[[Candidate], int]
+) -> BudgetTooSmall:
+    """The error when no candidate fits: the candidate the smallest budget holds, and that
+    budget (``budget_for``)."""
+    need, smallest = min((budget_for(c), c.key) for c in candidates)
+    (cand,) = [c for c in candidates if c.key == smallest]
     return BudgetTooSmall(
         f"memory budget {format_bytes(budget)} is too small: with a {margin:.0%} safety "
         f"margin {format_bytes(budget * (1 - margin))} is usable, and the smallest candidate "
-        f"(micro-batch {smallest.micro_batch_size}, activation checkpointing "
-        f"{'on' if smallest.activation_checkpointing else 'off'}) needs "
-        f"{format_bytes(smallest.predicted_peak_bytes)} per device: a budget of at "
-        f"least {budget_text(need)} fits it (that peak with the {margin:.0%} margin); "
-        "or shorten the sequences, shrink the model",
+        f"(micro-batch {cand.micro_batch_size}, activation checkpointing "
+        f"{'on' if cand.activation_checkpointing else 'off'}) needs "
+        f"{format_bytes(cand.predicted_peak_bytes)} per device: a budget of at "
+        f"least {budget_text(need)} fits it; or shorten the sequences, shrink the model",
         need,
     )
 
@@ -333,42 +292,38 @@ def plan_step(
     global_batch: int,
     *,
     world_size: int = 1,
-    predict: Callable[[int, bool], int],
-    step_time: Callable[[int, bool], float] | None = None,
+    predict: Callable[..., int],
+    step_time: Callable[..., float] | None = None,
     margin: float = 0.1,
     micro_batch_sizes: Sequence[int] | None = None,
     checkpointing: Sequence[bool] = (False, True),
+    loss_chunks: Sequence[int] | None = None,
+    budget_for: Callable[[Candidate], int] | None = None,
 ) -> Plan:
     """The fastest split of the global batch whose predicted peak fits the budget.
 
-    Each rank gets ``ceil(global_batch / world_size)`` items (the heaviest rank; all ranks
-    run the same number of micro-batches, as FSDP2's per-forward collectives need), split
-    into ``accum_steps = ceil(per_rank / mbs)`` micro-batches, the last possibly shorter,
-    so the global batch stays exact. A candidate fits when its predicted peak is at most
-    ``budget * (1 - margin)``. Ties in throughput go to no checkpointing, then to the
-    larger micro-batch, and so do candidates within :data:`TIE` of the fastest. Raises
-    ValueError naming the memory budget, and the budget that would fit, when nothing fits.
+    Each rank gets ``ceil(global_batch / world_size)`` items (the heaviest rank: FSDP2's
+    collectives need every rank to run as many micro-batches), in ``ceil(per_rank / mbs)``
+    micro-batches, the last possibly shorter: the global batch stays exact. A candidate
+    fits when its predicted peak is at most ``budget * (1 - margin)``. ``loss_chunks``: also
+    choose among these ``--loss-chunk-tokens`` (a third argument of ``predict`` and
+    ``step_time``). Near-ties: :data:`TIE`. Nothing fits: :class:`BudgetTooSmall`, naming
+    the budget that would (``budget_for`` of the candidate needing least; default: its
+    predicted peak with the margin).
     """
     budget = parse_size(budget_bytes)
     _check(budget, global_batch, world_size, margin)
     per_rank = math.ceil(global_batch / world_size)
-    asked = _default_sizes(per_rank) if micro_batch_sizes is None else micro_batch_sizes
-    sizes = sorted({int(s) for s in asked if 1 <= s <= per_rank})
-    if not sizes:
-        raise ValueError(f"no micro-batch size in 1..{per_rank} (the per-rank batch) to plan")
     timer = step_time if step_time is not None else default_step_time()
+    keys, chunks = _keys(per_rank, micro_batch_sizes, checkpointing, loss_chunks)
     usable = budget * (1 - margin)
-    scored = [
-        _candidate(mbs, ckpt, per_rank, predict, timer, usable)
-        for ckpt in dict.fromkeys(checkpointing)
-        for mbs in sizes
-    ]
+    scored = [_candidate(key, per_rank, predict, timer, usable) for key in keys]
     fitting = [(c, tp) for c, tp in scored if c.fits]
     if not fitting:
-        raise _too_small([c for c, _ in scored], budget, margin)
+        need = budget_for or (lambda c: needed_budget(c.predicted_peak_bytes, margin))
+        raise _too_small([c for c, _ in scored], budget, margin, need)
+    chosen = _tie_rule(fitting, chunks)
     best_tp = max(tp for _, tp in fitting)
-    near = [c for c, tp in fitting if tp >= best_tp * (1 - TIE)]
-    chosen = min(near, key=lambda c: (c.activation_checkpointing, -c.micro_batch_size))
     candidates = [
         Candidate(**{**asdict(c), "relative_throughput": tp / best_tp}) for c, tp in scored
     ]
@@ -384,4 +339,22 @@ def plan_step(
         margin=margin,
         per_rank_batch=per_rank,
         last_micro_batch_size=chosen.last_micro_batch_size,
+        timed=step_time is not None,
+        loss_chunk_tokens=chosen.loss_chunk_tokens,
+    )
+
+
+def _tie_rule(fitting: list[tuple[Candidate, float]], chunks: list[tuple]) -> Candidate:
+    """The fastest candidate that fits; among those within :data:`TIE` of it: no
+    checkpointing, then the first loss setting of ``chunks``, then the larger micro-batch."""
+    best_tp = max(tp for _, tp in fitting)
+    near = [c for c, tp in fitting if tp >= best_tp * (1 - TIE)]
+    order = {chunk[0] if chunk else None: i for i, chunk in enumerate(chunks)}
+    return min(
+        near,
+        key=lambda c: (
+            c.activation_checkpointing,
+            order[c.loss_chunk_tokens],
+            -c.micro_batch_size,
+        ),
     )

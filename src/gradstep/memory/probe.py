@@ -48,6 +48,7 @@ from .units import format_bytes
 
 __all__ = [
     "KERNEL_CACHE_CAPACITY",
+    "SHAPE_GUESS_BYTES",
     "ProbeResult",
     "bound_kernel_caches",
     "current_bytes",
@@ -57,6 +58,11 @@ __all__ = [
     "reset_peak",
     "runtime_bytes",
 ]
+
+SHAPE_GUESS_BYTES = 16 * 2**20
+"""CPU: what a new input shape's kernels may leave resident before any was measured (~12
+MiB while oneDNN's bounded caches fill, bf16 demo GPT, torch 2.13; fp32 less). The shape
+sweep's first shape, and a size after a one-size probe, leave room for it."""
 
 SHAPE_SETTLED_BYTES = 2 * 2**20
 """A new input shape that leaves less than this resident does not grow the kernel caches
@@ -142,13 +148,19 @@ def _run_sizes(
     baseline: int,
     budget: int | None,
     agree: Callable[[bool], bool] | None,
+    per_item: float | None = None,
 ) -> _Sizes:
     """Each size (ascending): warm-up (per ``mode``), then the measured run; stop before a
     size predicted to exceed ``budget`` (every rank the same, through ``agree``)."""
     out = _Sizes()
+    shape = 0 if _is_cuda(dev) else SHAPE_GUESS_BYTES
     for i, b in enumerate(order):
         known = [*out.warmups, *out.points]  # every peak seen so far is evidence
-        fits = budget is None or not known or _predict_next(b, baseline, known) <= budget
+        fits = (
+            budget is None
+            or not known
+            or _predict_next(b, baseline, known, per_item, shape) <= budget
+        )
         if agree is not None:
             fits = agree(fits)
         if not fits:
@@ -186,7 +198,9 @@ def _sweep_shapes(
     growths: list[int] = []
     for i in range(max_shapes):
         settled = every(len(growths) >= 2 and max(growths[-2:]) < SHAPE_SETTLED_BYTES)
-        worst = in_use + step_cost + max(growths, default=step_cost)
+        # Before any shape ran, its kernels are guessed (a shorter row needs no more than
+        # the step already measured); after, the largest growth seen.
+        worst = in_use + step_cost + max(growths, default=min(step_cost, SHAPE_GUESS_BYTES))
         if settled or not every(budget is None or worst <= budget):
             return in_use, len(growths), settled
         shapes(i)
@@ -222,6 +236,7 @@ def probe_memory(
     fit: str | None = None,
     shapes: Callable[[int], None] | None = None,
     max_shapes: int = 8,
+    per_item_bytes: float | None = None,
 ) -> ProbeResult:
     """Run ``run(b)`` for each of ``sizes`` (ascending), measure its peak, fit the line.
 
@@ -237,7 +252,12 @@ def probe_memory(
     see :func:`_fit_mode` (None chooses). ``shapes(i)``: one step (like ``run(1)``) whose
     input has the ``i``-th of up to ``max_shapes`` further distinct shapes, e.g. the
     sequence lengths the data will produce; run after the sizes until the memory new
-    shapes leave behind stops growing (``ProbeResult.shape_bytes``).
+    shapes leave behind stops growing (``ProbeResult.shape_bytes``). ``per_item_bytes``:
+    the analytic model's cost of one more item (e.g. ``estimate_step_memory``'s
+    ``activations_per_item``): after one measured size the next is predicted from it (not
+    from the upper bound that charges everything above the baseline to the items, which
+    stopped tight budgets at one size), and when the budget lets only one size run it is
+    the fit's slope through that size's peak (``ProbeResult.per_item_source``).
     """
     dev = _device(device)
     mode, order = _mode_and_order(warmup, sizes)
@@ -246,17 +266,19 @@ def probe_memory(
     baseline = current_bytes(dev)
     _check_budget_before(budget_bytes, baseline, order[0], estimate, agree)
     start = time.perf_counter()
-    ran = _run_sizes(run, order, dev, mode, baseline, budget_bytes, agree)
+    ran = _run_sizes(run, order, dev, mode, baseline, budget_bytes, agree, per_item_bytes)
     if not ran.points:
         raise ValueError(f"no probe size ran: another rank refused b={order[0]} (agree)")
     # Every size skipped is impossible (the first size always runs: nothing predicts it).
     fixed, slope, per_shape = _fit_bytes(
-        ran.points, ran.befores, ran.warm_befores, baseline, fit_mode
+        ran.points, ran.befores, ran.warm_befores, baseline, fit_mode, per_item_bytes
     )
     swept = _Swept()
     if shapes is not None and max_shapes > 0:
         swept = _sweep(shapes, max_shapes, dev, ran, baseline, budget_bytes, per_shape, agree)
-    fitted = _Fitted(fixed, slope, per_shape, fit_mode, source, baseline)
+    one = len({p[0] for p in ran.points}) < 2
+    how = "measured" if not one else "analytic" if per_item_bytes is not None else "upper bound"
+    fitted = _Fitted(fixed, slope, per_shape, fit_mode, source, baseline, how)
     return _result(ran, fitted, swept, mode, budget_bytes, time.perf_counter() - start, dev)
 
 
@@ -270,6 +292,7 @@ class _Fitted:
     fit: str
     source: str
     baseline: int
+    per_item_source: str = "measured"
 
 
 def _result(
@@ -303,6 +326,7 @@ def _result(
         shapes_settled=swept.settled,
         shapes_unmeasured=swept.unmeasured,
         highest_bytes=highest,
+        per_item_source=fitted.per_item_source,
     )
 
 

@@ -57,12 +57,16 @@ class ProbeResult:
     highest_bytes: int = 0
     """The highest peak the probe itself reached (warm-ups, sizes, shape sweep): a process
     that probes before it trains (``--micro-batch-size auto``) peaks at least there."""
+    per_item_source: str = "measured"
+    """Where ``per_item_bytes`` comes from: ``measured`` (a line through two or more sizes),
+    ``analytic`` (one size ran: the analytic model's cost per item through its peak) or
+    ``upper bound`` (one size, no analytic model: everything above the baseline charged
+    to the items)."""
 
     @property
     def one_size(self) -> bool:
-        """Only one size was measured (a tight budget): the per-item cost is an upper
-        bound (everything above the baseline charged to the items) and there is no time
-        per item."""
+        """Only one size was measured (a tight budget): the per-item cost is not measured
+        (:attr:`per_item_source`) and there is no time per item."""
         return len({p[0] for p in self.points}) < 2
 
     def predict(self, b: int) -> int:
@@ -75,7 +79,9 @@ class ProbeResult:
     def describe(self) -> str:
         sizes = ", ".join(f"b={b}: {format_bytes(p)} in {s:.2f}s" for b, p, s in self.points)
         note = f"; skipped (over budget) {self.skipped}" if self.skipped else ""
-        if self.one_size:
+        if self.one_size and self.per_item_source == "analytic":
+            note += "; one size only: the per-item cost is the analytic model's"
+        elif self.one_size:
             note += "; one size only: the per-item cost is an upper bound"
         if self.shapes_run:
             note += (

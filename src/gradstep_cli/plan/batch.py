@@ -3,8 +3,9 @@
 ``--micro-batch-size auto`` is planned here (probed on the data stage's rows:
 :func:`gradstep_cli.plan.planning.plan_for`); a fixed micro-batch size under a
 ``--memory-budget`` gets the analytic prediction said. Either way the result is the run's
-settings with the split decided (micro-batch size, checkpointing, accumulation) and the
-window layout the run and its checkpoints follow.
+settings with the split decided (micro-batch size, checkpointing, the loss's chunking
+unless ``--loss-chunk-tokens`` is given, accumulation) and the window layout the run and
+its checkpoints follow.
 """
 
 from __future__ import annotations
@@ -45,13 +46,16 @@ def plan_batch(checked: Checked, data: Data, model: ModelSpec) -> BatchPlan:
     cfg, launch = checked.cfg, checked.launch
     planned = None
     if cfg.auto_micro_batch:
-        planned = planning.plan_for(cfg, launch, model, data.source)
+        planned = planning.plan_for(cfg, launch, model, data.source, given=checked.given)
         if launch.is_main:
             _say_plan(planned)
+        # The loss's chunking is only ever planned down to 0 (the whole logits), which the
+        # run's loss computes from the logits whatever the model was built with.
         cfg = dataclasses.replace(
             cfg,
             micro_batch_size=planned.plan.micro_batch_size,
             activation_checkpointing=planned.plan.activation_checkpointing,
+            loss_chunk_tokens=planned.plan.loss_chunk_tokens,
         )
     layout = layout_for(cfg, launch.data_ranks)
     notes: tuple[str, ...] = ()

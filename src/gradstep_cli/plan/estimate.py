@@ -27,6 +27,7 @@ from gradstep_cli.models.spec import ModelSpec
 __all__ = [
     "estimate_kwargs",
     "gpt_shape",
+    "loss_chunks",
     "model_shape",
     "optimizer_memory",
     "quiet",
@@ -87,7 +88,8 @@ def estimate_kwargs(cfg: TrainConfig, device: torch.device, world: int) -> dict:
     """What the analytic model needs besides the shape: precision, sharding (over ``world``
     launched ranks; ``--tp``/``--hsdp``: the 2-D mesh), optimizer,
     dropout (on CPU with dropout torch's attention takes the math path: s^2 matrices), the
-    chunked loss (``--loss-chunk-tokens``: one chunk's logits, not the whole), and
+    chunked loss (``--loss-chunk-tokens``: one chunk's logits, not the whole), packed rows
+    (``--packing``: the block-causal mask every attention layer keeps), and
     for an HF model the dtype of its frozen base (LoRA; ``hf_model.param_dtype``)."""
     out = {
         "compute_dtype": _COMPUTE[cfg.precision],
@@ -98,6 +100,7 @@ def estimate_kwargs(cfg: TrainConfig, device: torch.device, world: int) -> dict:
         "dropout": cfg.dropout,
         "attention": "math" if cfg.dropout > 0 and device.type == "cpu" else "fused",
         "loss_chunk_tokens": cfg.loss_chunk_tokens,
+        "packed": cfg.packing,
     }
     if cfg.is_hf:
         from gradstep_cli.models.hf import param_dtype
@@ -120,3 +123,23 @@ def quiet_hf_config(cfg: TrainConfig) -> Any:
 
     with quiet():
         return hf_config(cfg)
+
+
+def loss_chunks(
+    cfg: TrainConfig, model: ModelSpec, given: frozenset[str] | None
+) -> list[int] | None:
+    """The ``--loss-chunk-tokens`` settings to choose from: the run's own and the whole
+    logits, unless the flag was given (or is 0 already, or the head cannot be chunked: a
+    LoRA-adapted or soft-capped HF head, whose loss is always the whole logits)."""
+    if given is None:  # what differs from its default was set on purpose
+        default = TrainConfig().loss_chunk_tokens
+        given = frozenset({"loss_chunk_tokens"} if cfg.loss_chunk_tokens != default else ())
+    if "loss_chunk_tokens" in given or not cfg.loss_chunk_tokens:
+        return None
+    config = model.hf_config
+    if config is not None and (
+        getattr(config, "final_logit_softcapping", None)
+        or (cfg.lora and "lm_head" in str(cfg.lora_targets))
+    ):
+        return None
+    return [cfg.loss_chunk_tokens, 0]

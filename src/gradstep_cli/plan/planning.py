@@ -7,22 +7,25 @@ weights, LoRA; same dropout, precision, sharding and optimizer), takes a real
 lengths until the kernel caches are full, and reads the peak
 (``gradstep.memory.probe_memory``); the analytic model
 (``TransformerShape``, or ``HFShape`` from the model's config) turns that into a prediction
-for every candidate (micro-batch size x checkpointing). An HF model is probed at its
-data's longest row (a micro-batch is padded to its longest row, at most ``--seq-len``) and
-its shape sweep runs the data's other lengths (the data stage's: never read again). Rank
-0's plan is every rank's.
+for every candidate (micro-batch size x checkpointing x, unless ``--loss-chunk-tokens`` is
+given, the loss chunked or from the whole logits). The probe runs the data's longest row (a
+micro-batch is padded to its longest row, at most ``--seq-len``) and its shape sweep the
+data's other lengths (the data stage's: never read again); packed rows (``--packing``) are
+all ``--seq-len`` long, one shape, no sweep (:mod:`.rows`). Candidates are ranked by a count
+of their step's work, padding included (:mod:`gradstep.memory.speed`), never by the probe's
+timings: the same flags give the same plan in every process. Rank 0's plan is every rank's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import os
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from gradstep import Stepper, parallel
@@ -35,20 +38,27 @@ from gradstep.memory import (
     current_bytes,
     estimate_step_memory,
     format_bytes,
-    needed_budget,
     peak_bytes,
     plan_step,
     probe_memory,
-    probe_step_time,
     reset_peak,
     step_predictor,
+    step_time_model,
     sweep_widths,
 )
 from gradstep_cli.config.settings import ConfigError, TrainConfig
 from gradstep_cli.models.parallel_plan import prepare
 from gradstep_cli.models.spec import ModelSpec
 from gradstep_cli.plan.budget import MARGIN, analytic_fixed_bytes, device_budget
-from gradstep_cli.plan.estimate import estimate_kwargs, model_shape, quiet, quiet_hf_config
+from gradstep_cli.plan.estimate import (
+    estimate_kwargs,
+    loss_chunks,
+    model_shape,
+    quiet,
+    quiet_hf_config,
+)
+from gradstep_cli.plan.quote import needed, quote, room
+from gradstep_cli.plan.rows import Rows, probe_batches, rows_of
 from gradstep_cli.run.launch import Launch
 
 __all__ = ["PLAN_SECONDS", "Planned", "plan_for", "plan_run", "timing_line"]
@@ -82,21 +92,12 @@ class Planned:
                 "shapes_settled": self.probe.shapes_settled,
                 "shapes_unmeasured": self.probe.shapes_unmeasured,
                 "one_size": self.probe.one_size,
+                "per_item_source": self.probe.per_item_source,
                 "seconds": self.probe.seconds_total,
                 "source": self.probe.source,
                 "build_peak_bytes": self.build_peak_bytes,
             }
         return out
-
-
-@dataclass
-class _Data:
-    """The run's data as the planner sees it: the longest row and the other lengths."""
-
-    width: int
-    lengths: list[int] = field(default_factory=list)
-    source: Any = None
-    """Held while probing, so that the probe's baseline holds the data as the run will."""
 
 
 def _probe_model(model: ModelSpec, device: torch.device, checkpointing: bool) -> Stepper:
@@ -117,30 +118,6 @@ def _every_rank(flag: bool) -> bool:
     return not parallel.agree(not flag)
 
 
-def _data(cfg: TrainConfig, source: Any) -> _Data:
-    """The rows the run will train on: an HF run's (``source``: the data stage's); the toy
-    GPT plans for rows of ``--seq-len``."""
-    if not cfg.is_hf:
-        return _Data(cfg.seq_len, source=source)
-    # Distinct lengths: all the sweep reads (a list of every row's is 40 bytes a row).
-    lengths = np.unique(source.lengths(cfg.seq_len, cfg.seed)).tolist()
-    return _Data(max(lengths, default=cfg.seq_len), lengths, source)
-
-
-def _batch_fn(cfg: TrainConfig, device: torch.device, vocab: int) -> tuple[Callable, Callable, Any]:
-    """(rows, width) -> a micro-batch of random ids; the run's loss and count."""
-    from gradstep_cli.run.components import loss_for
-
-    gen = torch.Generator().manual_seed(0)
-
-    def batch(rows: int, width: int) -> dict:
-        ids = torch.randint(0, vocab, (rows, width), generator=gen)
-        return {"input_ids": ids.to(device), "labels": ids.roll(-1, 1).to(device)}
-
-    loss_fn, count = loss_for(cfg, device)
-    return batch, loss_fn, count
-
-
 @dataclass(frozen=True)
 class _Inputs:
     """What one plan is made for, derived once by :func:`plan_for`."""
@@ -152,11 +129,13 @@ class _Inputs:
     per_rank: int
     """Sequences of the global batch on each data rank."""
     budget: int
-    data: _Data
+    data: Rows
     shape: Any
     """The analytic model's shape at the data's longest row."""
     estimate: dict
     """The analytic model's other arguments (:func:`estimate_kwargs`)."""
+    speed: Callable[..., float]
+    """Each candidate's step time (:func:`step_time_model` of the data's rows)."""
 
 
 def _probe(model: ModelSpec, run: _Inputs, checkpointing: bool) -> tuple[ProbeResult, int]:
@@ -166,28 +145,41 @@ def _probe(model: ModelSpec, run: _Inputs, checkpointing: bool) -> tuple[ProbeRe
     reset_peak(device)
     held = [_probe_model(model, device, checkpointing)]  # dropped before the run's own
     build_peak = peak_bytes(device)
-    batch, loss_fn, count = _batch_fn(cfg, device, model.vocab_size)
+    batch, loss_fn, count = probe_batches(cfg, device, model.vocab_size, data.packed)
 
     def step(rows: int, width: int) -> None:
         held[0].step([batch(rows, width)], loss_fn, count=count)
 
-    widths = sweep_widths(cfg.seq_len, SWEEP_SHAPES, data.lengths)
+    # Packed rows have one shape: nothing to sweep.
+    widths = [] if data.packed else sweep_widths(cfg.seq_len, SWEEP_SHAPES, data.lengths.tolist())
     try:
         result = probe_memory(
             lambda b: step(b, data.width),
-            sorted({s for s in (1, 2, 4) if s <= run.per_rank}),
+            _probe_sizes(run),
             device=device,
             # The plan's own bound: a run that plans itself peaks at least where the probe
             # did, and that too must leave the margin free.
             budget_bytes=int(run.budget * (1 - MARGIN)),
             agree=_every_rank if run.world > 1 else None,
-            shapes=lambda i: step(1, widths[i % len(widths)]),
+            shapes=(lambda i: step(1, widths[i % len(widths)])) if widths else None,
             max_shapes=len(widths),
+            per_item_bytes=_per_item(run, checkpointing),
         )
     finally:
         _release(held.pop())
         gc.collect()
     return result, build_peak
+
+
+def _probe_sizes(run: _Inputs) -> list[int]:
+    """The sizes the probe measures: 1, 2 and 4 (a line through three points, and what each
+    new size's kernels add), but no size above the fastest micro-batch the speed model
+    knows of (when it is 1 or 2: two sizes still make a measured line). Unpacked
+    variable-length rows usually make micro-batch 1 the fastest (no padding)."""
+    chunk = run.cfg.loss_chunk_tokens
+    sizes = [s for s in (1, 2, 4, 8, 16) if s <= run.per_rank]
+    fastest = max(sizes, key=lambda m: (m / run.speed(m, False, chunk), m))
+    return [s for s in (1, 2, 4) if s <= min(run.per_rank, max(2, fastest))]
 
 
 def _release(stepper: Stepper) -> None:
@@ -200,22 +192,29 @@ def _release(stepper: Stepper) -> None:
         strategy.model = None
 
 
+def _estimate(run: _Inputs, mbs: int, checkpointing: bool) -> int:
+    """The analytic total of one step of ``mbs`` rows (one micro-batch, the run's runtime)."""
+    fixed = analytic_fixed_bytes(run.cfg, run.device)
+    return estimate_step_memory(
+        run.shape, mbs, activation_checkpointing=checkpointing, fixed_bytes=fixed, **run.estimate
+    ).total
+
+
+def _per_item(run: _Inputs, checkpointing: bool) -> float:
+    """The analytic model's cost of one more row in the probe's step (its slope)."""
+    return float(_estimate(run, 2, checkpointing) - _estimate(run, 1, checkpointing))
+
+
 def _probe_checkpointing(run: _Inputs) -> bool:
-    """Probe with checkpointing when the analytic model says one item does not fit the
-    budget's usable part without it (the probe keeps the plan's bound too). Refuse at once,
-    naming the budget needed, when the process alone already exceeds the budget or even
-    the smallest plan is estimated above it (the probe itself would break it). Every rank
-    decides the same (the worst rank's numbers count): they then probe together."""
+    """Probe with checkpointing when the analytic model says one item, and room for the
+    data's other shapes, do not fit the budget's usable part without it (the probe keeps
+    the plan's bound too). Refuse at once, naming the budget needed, when the process alone
+    already exceeds the budget or even the smallest plan is estimated above it (the probe
+    itself would break it). Every rank decides the same (the worst rank's numbers count):
+    they then probe together."""
     budget = run.budget
-
-    def est(ckpt: bool) -> int:
-        fixed = analytic_fixed_bytes(run.cfg, run.device)
-        one = estimate_step_memory(
-            run.shape, 1, activation_checkpointing=ckpt, fixed_bytes=fixed, **run.estimate
-        )
-        return one.total
-
-    in_use, smallest = current_bytes(run.device), est(True)
+    in_use, smallest = current_bytes(run.device), _estimate(run, 1, True)
+    spare = room(run.device, run.data.packed)
     usable = budget * (1 - MARGIN)  # what the probe may use, as the plan
     if not _every_rank(in_use <= usable and smallest <= budget):
         before = "already exceeded before probing" if in_use > budget else "too small"
@@ -224,9 +223,9 @@ def _probe_checkpointing(run: _Inputs) -> bool:
             f"{format_bytes(in_use)} before building the model, and the smallest plan "
             f"(micro-batch 1, activation checkpointing on) is estimated at "
             f"{format_bytes(smallest)} per rank: give --memory-budget "
-            f"{budget_text(needed_budget(smallest, MARGIN))} or more"
+            f"{budget_text(quote(max(smallest, in_use) + spare))} or more"
         )
-    return not _every_rank(est(False) <= usable)
+    return not _every_rank(_estimate(run, 1, False) + spare <= usable)
 
 
 def plan_run(
@@ -247,26 +246,65 @@ def plan_run(
 
 
 def plan_for(
-    cfg: TrainConfig, launch: Launch, model: ModelSpec, source: Any, probe: bool = True
+    cfg: TrainConfig,
+    launch: Launch,
+    model: ModelSpec,
+    source: Any,
+    probe: bool = True,
+    given: frozenset[str] | None = None,
 ) -> Planned:
     """Plan ``cfg.global_batch`` for this device (collective under torchrun): probe
-    ``model`` (unless not ``probe``) on the rows of ``source`` (the data stage's: an HF
-    run's lengths). The caller settles the process first (:func:`settle_process`)."""
+    ``model`` (unless not ``probe``) on the rows of ``source`` (the data stage's).
+    ``given``: the settings the caller set on purpose (``Checked.given``; None: those that
+    differ from their defaults); ``--loss-chunk-tokens`` among them is kept, else the loss
+    is planned chunked or whole. The caller settles the process first
+    (:func:`settle_process`)."""
     if cfg.global_batch is None:
         raise ConfigError("planning needs --global-batch: the sequences per optimizer step")
+    with _threads(cfg.threads):
+        return _plan(cfg, launch, model, source, probe, given)
+
+
+@contextlib.contextmanager
+def _threads(threads: int) -> Iterator[None]:
+    """``--threads`` intra-op threads while planning, as the run has them
+    (``run.launch.launched``): ``gradstep plan`` probed with torch's default (every core),
+    so its probe measured other thread pools than ``train``'s and, on a shared 2-core
+    machine, spun its threads against the other processes' (the fine-tuning walk's plan:
+    42 s with 2 threads, 7 s with 1, under the same load)."""
+    previous = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _plan(
+    cfg: TrainConfig,
+    launch: Launch,
+    model: ModelSpec,
+    source: Any,
+    probe: bool,
+    given: frozenset[str] | None,
+) -> Planned:
+    """:func:`plan_for`'s work, with the run's threads."""
     device, world = launch.device, launch.world_size
-    data = _data(cfg, source)  # held until planned: the probe's baseline holds it
-    budget = device_budget(cfg, device)
+    data = rows_of(cfg, source)  # held until planned: the probe's baseline holds it
     kwargs = estimate_kwargs(cfg, device, world)
+    shape = model_shape(model, data.width)
+    lengths, counts = data.distribution()
     run = _Inputs(
         cfg,
         device,
         world,
         per_rank=math.ceil(cfg.global_batch / launch.data_ranks),
-        budget=budget,
+        budget=device_budget(cfg, device),
         data=data,
-        shape=model_shape(model, data.width),
+        shape=shape,
         estimate=kwargs,
+        speed=step_time_model(shape, data.width, lengths, counts, device.type, data.trained),
     )
     result, probe_ckpt, build_peak = None, False, 0
     if probe:
@@ -274,47 +312,48 @@ def plan_for(
         result, build_peak = _probe(model, run, probe_ckpt)
     else:
         kwargs = {**kwargs, "fixed_bytes": analytic_fixed_bytes(cfg, device)}
-    per_rank = run.per_rank
     step_peak = step_predictor(
         run.shape,
         probe=result,
         probe_checkpointing=probe_ckpt,
-        per_rank_batch=per_rank,
+        per_rank_batch=run.per_rank,
         **kwargs,
     )
-
     data_peak = getattr(getattr(source, "prepared", None), "peak_bytes", 0)
 
-    def predict(mbs: int, checkpointing: bool) -> int:
-        return max(step_peak(mbs, checkpointing), build_peak, data_peak)
+    def predict(mbs: int, checkpointing: bool, chunk: int | None = None) -> int:
+        return max(step_peak(mbs, checkpointing, chunk), build_peak, data_peak)
 
-    plan = _choose(run, launch.data_ranks, predict, result, probe_ckpt)
+    plan = _choose(run, launch.data_ranks, predict, result, loss_chunks(cfg, model, given))
     return Planned(plan, result, build_peak, data.width, data_peak)
 
 
 def _choose(
     run: _Inputs,
     data_ranks: int,
-    predict: Callable[[int, bool], int],
+    predict: Callable[..., int],
     result: ProbeResult | None,
-    probe_ckpt: bool,
+    chunks: list | None,
 ) -> Plan:
-    """The fastest candidate that fits (by the probe's step times when it measured more than
-    one size); one plan, or one refusal, for every rank: rank 0's, from its probe."""
-    timed = result is not None and not result.one_size
-    timer = probe_step_time(result, probe_checkpointing=probe_ckpt) if timed else None
+    """The fastest candidate that fits, by the count of its step's work; one plan, or one
+    refusal, for every rank: rank 0's, from its probe."""
+    speed = run.speed
     plan, error = None, None
     try:
         plan = plan_step(
             run.budget,
             run.cfg.global_batch,
             world_size=data_ranks,
-            predict=predict,
-            step_time=timer,
+            predict=predict if chunks else (lambda m, c: predict(m, c)),
+            step_time=speed if chunks else (lambda m, c: speed(m, c, run.cfg.loss_chunk_tokens)),
             margin=MARGIN,
+            loss_chunks=chunks,
+            budget_for=lambda c: needed(c, result, room(run.device, run.data.packed)),
         )
-        plan.timed, plan.tp = timed, run.cfg.tp
+        plan.tp = run.cfg.tp
         plan.probe_peak_bytes = result.highest_bytes if result is not None else 0
+        if plan.loss_chunk_tokens is None:
+            plan.loss_chunk_tokens = run.cfg.loss_chunk_tokens
     except BudgetTooSmall as exc:
         error = f"--memory-budget: {exc}"
     plan, error = parallel.broadcast_from_rank0((plan, error))

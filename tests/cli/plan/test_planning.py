@@ -3,9 +3,11 @@ the analytic model's prediction of every candidate."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
+import torch
 
 from gradstep.memory import TransformerShape, estimate_step_memory
 from gradstep_cli.cli import main
@@ -113,3 +115,117 @@ def test_the_probe_lets_its_ddp_model_go(tmp_path):
         assert alive == {False: True, True: False}
     finally:
         dist.destroy_process_group()
+
+
+def test_a_refusal_after_a_sweep_that_could_not_run_quotes_the_room_it_needs():
+    """When the budget left the probe no room for the data's other lengths, the plan
+    charges the smallest step's whole cost for them (a 400 MiB budget was refused with "at
+    least 451.4MiB" while 420 MiB planned at 374 MiB and ran). The quote holds the step
+    and the room the sweep needs instead, with the slack another process needs."""
+    from gradstep.memory import ProbeResult, needed_budget
+    from gradstep.memory.candidates import Candidate
+    from gradstep.memory.probe import SHAPE_GUESS_BYTES
+    from gradstep_cli.plan.budget import MARGIN
+    from gradstep_cli.plan.quote import QUOTE_SLACK, needed, room
+
+    mib = 2**20
+    unmeasured = ProbeResult(
+        300 * mib, 9 * mib, [(1, 352 * mib, 1.0)], 1.0, "vmhwm",
+        baseline_bytes=300 * mib, shape_bytes=52 * mib, shapes_unmeasured=True,
+    )  # fmt: skip
+    cand = Candidate(1, 16, True, 406 * mib, 1.0, False, 1, 1.0)  # 352 + 52 + 2
+    spare = room(torch.device("cpu"), packed=False)
+    assert spare == SHAPE_GUESS_BYTES and room(torch.device("cpu"), packed=True) == 0
+    want = needed_budget((406 - 52) * mib * (1 + QUOTE_SLACK) + SHAPE_GUESS_BYTES * 1.02, MARGIN)
+    assert abs(needed(cand, unmeasured, spare) - want) <= 1
+    assert needed(cand, unmeasured, spare) < needed_budget(406 * mib, MARGIN)  # not 451 MiB
+    measured = dataclasses.replace(unmeasured, shapes_unmeasured=False, shape_bytes=5 * mib)
+    assert needed(cand, measured, spare) == needed_budget(406 * mib * (1 + QUOTE_SLACK), MARGIN)
+
+
+def test_the_same_flags_give_the_same_plan_and_the_tie_rule_decides_near_ties(capsys):
+    """Without timings in the ranking, two plannings of the same flags agree on every
+    candidate's speed, and among near-ties (within TIE) the rule picks: no checkpointing,
+    the run's own loss setting, the larger micro-batch."""
+    from gradstep.memory.plan import TIE
+
+    argv = ["plan", *MODEL, "--global-batch", "8", "--no-probe", "--device", "cpu"]
+    plans = []
+    for _ in range(2):
+        assert main([*argv, "--memory-budget", "8GiB", "--json"]) == 0
+        plans.append(json.loads(capsys.readouterr().out))
+    speeds = [[c["relative_throughput"] for c in p["candidates"]] for p in plans]
+    assert speeds[0] == speeds[1]
+    plan = plans[0]
+    key = ("micro_batch_size", "activation_checkpointing", "loss_chunk_tokens")
+    near = [c for c in plan["candidates"] if c["fits"] and c["relative_throughput"] >= 1 - TIE]
+    rule = min(near, key=lambda c: (c[key[1]], c[key[2]] != 1024, -c[key[0]]))
+    assert tuple(plan[k] for k in key) == tuple(rule[k] for k in key)
+    assert {c["loss_chunk_tokens"] for c in plan["candidates"]} == {1024, 0}
+    given = [*argv, "--memory-budget", "8GiB", "--json", "--loss-chunk-tokens", "512"]
+    assert main(given) == 0  # given on the command line: kept, not planned
+    assert {c["loss_chunk_tokens"] for c in json.loads(capsys.readouterr().out)["candidates"]} == {
+        None
+    }
+
+
+@pytest.mark.slow
+def test_plan_and_train_choose_the_same_plan_for_the_same_flags(tmp_path, capsys):
+    flags = [*MODEL, "--global-batch", "8", "--device", "cpu", "--memory-budget", "4GiB"]
+    assert main(["plan", *flags, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    run = ["--max-steps", "1", "--warmup", "0", "--eval-batches", "1", "--sample-tokens", "0"]
+    out = tmp_path / "run"
+    assert main(["train", *flags, *run, "--micro-batch-size", "auto", "--out", str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    key = ("micro_batch_size", "activation_checkpointing", "loss_chunk_tokens")
+    assert tuple(config[k] for k in key) == tuple(plan[k] for k in key)
+
+
+@pytest.mark.slow
+def test_the_budget_a_refusal_quotes_plans_and_trains_within_itself(tmp_path, capsys):
+    """A budget this process already nearly fills is refused with a budget to give;
+    ``train --micro-batch-size auto`` at the quoted budget plans, trains, and peaks within
+    it (the run's own high-water mark of the resident set). bench/planner.py checks a
+    refusal after probing the same way, from outside."""
+    from gradstep.memory import current_bytes, format_bytes, parse_size
+
+    model = ["--n-layer", "2", "--n-head", "4", "--d-model", "128", "--seq-len", "256"]
+    flags = [*model, "--global-batch", "8", "--device", "cpu"]
+    # Below what this process holds with the margin: refused whatever the session loaded.
+    low = format_bytes(current_bytes("cpu") / 0.95).replace(" ", "")
+    assert main(["plan", *flags, "--memory-budget", low]) == 2
+    err = capsys.readouterr().err
+    marker = next(m for m in ("a budget of at least ", "give --memory-budget ") if m in err)
+    quoted = err.split(marker, 1)[1].split()[0]
+    run = ["--max-steps", "2", "--warmup", "0", "--eval-batches", "1", "--sample-tokens", "0"]
+    out = tmp_path / "run"
+    argv = ["train", *flags, *run, "--micro-batch-size", "auto", "--memory-budget", quoted]
+    assert main([*argv, "--out", str(out)]) == 0, capsys.readouterr().err
+    peaks = [json.loads(line)["peak_memory_mb"] for line in (out / "metrics.jsonl").open()]
+    assert max(peaks) * 2**20 <= parse_size(quoted)
+
+
+def test_planning_runs_with_the_runs_threads(monkeypatch, capsys):
+    """``gradstep plan`` probes with ``--threads`` (default 1), as ``train`` runs: with
+    torch's default (every core) its probe measured other thread pools than train's, and on
+    a shared 2-core machine the walk's plan took 42 s instead of 7."""
+    from gradstep_cli.plan import planning
+
+    seen = []
+    real = planning._plan
+
+    def spy(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(planning, "_plan", spy)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        argv = ["plan", *MODEL, "--global-batch", "4", "--no-probe", "--device", "cpu"]
+        assert main([*argv, "--memory-budget", "4GiB", "--threads", "1"]) == 0
+        assert seen == [1] and torch.get_num_threads() == 2  # restored afterwards
+    finally:
+        torch.set_num_threads(before)
+    capsys.readouterr()
