@@ -29,7 +29,7 @@ step down; every plan of a configuration trains the same rows step by step).
 The ratio is the chosen plan's tokens/s over the best fitting plan's. Also: one refusal,
 checked by running ``train --micro-batch-size auto`` at the budget the refusal quoted.
 
-    .venv/bin/python bench/planner.py             # every configuration (~25 min, 2 cores)
+    .venv/bin/python bench/planner.py             # every configuration (~35 min, 2 cores)
     .venv/bin/python bench/planner.py --quick 1   # two configurations, one round (smoke)
     .venv/bin/python bench/planner.py --only G1,H2
 Outputs: a markdown table on stdout and bench/out/planner.{md,json} (quick runs:

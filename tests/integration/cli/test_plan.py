@@ -30,13 +30,12 @@ def test_plan_json_has_the_contract_keys(capsys):
     argv = ["plan", *MODEL, "--global-batch", "12", "--memory-budget", "4GiB", "--json"]
     assert main(argv) == 0
     plan = json.loads(capsys.readouterr().out)
-    for key in ("micro_batch_size", "accum_steps", "activation_checkpointing",
-                "predicted_peak_bytes", "candidates"):  # fmt: skip
-        assert key in plan, key
+    for name in ("micro_batch_size", "accum_steps", "activation_checkpointing",
+                 "loss_chunk_tokens", "predicted_peak_bytes", "candidates"):  # fmt: skip
+        assert name in plan, name
     # The chosen row is among the candidates, fits, and covers the global batch exactly.
-    chosen = [c for c in plan["candidates"]
-              if (c["micro_batch_size"], c["activation_checkpointing"])
-              == (plan["micro_batch_size"], plan["activation_checkpointing"])]  # fmt: skip
+    key = ("micro_batch_size", "activation_checkpointing", "loss_chunk_tokens")
+    chosen = [c for c in plan["candidates"] if [c[k] for k in key] == [plan[k] for k in key]]
     assert len(chosen) == 1 and chosen[0]["fits"]
     c = chosen[0]
     assert (c["accum_steps"] - 1) * c["micro_batch_size"] + c["last_micro_batch_size"] == 12
