@@ -156,3 +156,46 @@ def test_sample_note_states_the_sample_size() -> None:
     note = sample_note(TrainConfig(seq_len=32, eval_batches=2), Source, layout)
     assert note is not None and "a sample of 4 of the 7 validation sequences" in note
     assert sample_note(TrainConfig(seq_len=32, eval_batches=9), Source, layout) is None
+
+
+class _LiveChunks(torch.utils._python_dispatch.TorchDispatchMode):
+    """How many storages of at least ``numel`` elements are alive at once among the tensors
+    the dispatched ops return (a storage is alive while any tensor viewing it is): at most
+    (``most``), and when each new one is made by a matmul (``at_projection``). An op's own
+    temporaries (logsumexp's) are not seen: hence the second count."""
+
+    def __init__(self, numel: int) -> None:
+        super().__init__()
+        self.numel, self.refs, self.most, self.at_projection = numel, {}, 0, []
+
+    def _drop(self, key: int) -> None:
+        self.refs[key] -= 1
+        if not self.refs[key]:
+            del self.refs[key]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        import weakref
+
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, tuple | list) else [out]:
+            if isinstance(t, torch.Tensor) and t.numel() >= self.numel:
+                key = t.untyped_storage().data_ptr()
+                self.refs[key] = self.refs.get(key, 0) + 1
+                weakref.finalize(t, self._drop, key)
+                self.most = max(self.most, len(self.refs))
+                if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+                    self.at_projection.append(len(self.refs))
+        return out
+
+
+def test_a_chunked_evaluation_holds_two_chunk_sized_tensors_at_most() -> None:
+    """What the evaluation adds to a run's peak: each chunk's logits die before the next
+    chunk is projected (two chunk-sized tensors at once at most, logsumexp's temporary
+    included, as the training loss's backward holds)."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 512, bias=False)
+    hidden, labels = torch.randn(4, 16, 8), torch.randint(0, 512, (4, 16))
+    with torch.no_grad(), _LiveChunks(16 * 512) as live:
+        token_sums(hidden, labels, head, chunk_tokens=16)
+    assert live.at_projection == [1, 1, 1, 1]  # nothing of the chunk before
+    assert live.most == 2  # the log-probabilities and their exponentials
