@@ -18,6 +18,11 @@ countable instead:
   (``6 V d`` per position); chunked (``gradstep.step.chunked_token_loss``), only the
   positions that train (``trained``: their share of the real tokens; a prompt's do not),
   each twice forward (``8 V d``: backward recomputes each chunk's logits).
+* **the softmax**: per logit element, the log-softmax, its gradient and the allocations
+  around them (:data:`LOGIT_FLOPS`), over every position from the whole logits and over
+  the trained positions chunked. Not a matmul's flops but memory traffic at the matmul's
+  rate: on CPU ~1000 flops' worth an element, which outweighs the projection's ``6 d``
+  below a width of ~170 (a width-64 head at a 128k vocabulary is three quarters softmax).
 * **checkpointing** recomputes the blocks' forward: :data:`RECOMPUTE` forwards' worth (more
   than one: the recomputed forward's memory-bound operations, hooks and allocations), its
   math and its share of the fixed cost.
@@ -38,12 +43,28 @@ import numpy as np
 from .hf_shape import HFShape
 from .shape import Shape
 
-__all__ = ["OVERHEAD_FLOPS", "RECOMPUTE", "expected_longest", "row_time", "step_time_model"]
+__all__ = [
+    "LOGIT_FLOPS",
+    "OVERHEAD_FLOPS",
+    "RECOMPUTE",
+    "expected_longest",
+    "row_time",
+    "step_time_model",
+]
 
 RECOMPUTE = 1.5
 """Checkpointing's recomputed forward, in forwards (flops) of the blocks. Calibrated on CPU,
 torch 2.13: a checkpointed step took 1.45x (demo GPT) to 1.6x (HF Llama) the plain step's
 time, where flops alone say 1.33x."""
+
+LOGIT_FLOPS = {"cpu": (1060.0, 875.0), "cuda": (2000.0, 1800.0)}
+"""(from the whole logits, chunked): what one logit element costs beyond its matmul
+(log-softmax forward and backward, the loss's gather and the gradient's scatter,
+allocating and faulting in the tensors), in flops of the device at its matmul rate. CPU:
+fitted on the 2-core test machine, torch 2.13, one thread (``causal_lm`` head + loss
+forward and backward, widths 32-256, vocabularies 32k and 128k: 11.0 and 9.4 ns an element
+at 93-97 Gflop/s); the chunked loss never holds the whole tensors, so its passes stay
+cheaper. CUDA: not calibrated (memory-bound passes at ~3 TB/s against ~2e14 flop/s)."""
 
 OVERHEAD_FLOPS = {"cpu": 5.0e7, "cuda": 5.0e10}
 """A micro-batch's fixed cost per block (kernel dispatch, Python, autograd bookkeeping,
@@ -89,6 +110,7 @@ def row_time(
     fixed cost per micro-batch (the module docstring: what is counted)."""
     body, attention, head, forward = _work(shape)
     fixed = OVERHEAD_FLOPS.get(device, OVERHEAD_FLOPS["cuda"]) * (shape.n_layer + 1)
+    whole, chunk = (shape.vocab_size * f for f in LOGIT_FLOPS.get(device, LOGIT_FLOPS["cuda"]))
 
     def time(rows: int, width: float, trained: float, checkpointing: bool, chunked: bool) -> float:
         positions = rows * width
@@ -97,7 +119,7 @@ def row_time(
         if checkpointing:  # the recomputed forward: its math and its dispatch (a third)
             blocks += RECOMPUTE * positions * (forward + attention * width / 3)
             overhead *= 1 + RECOMPUTE / 3
-        loss = trained * head * 4 / 3 if chunked else positions * head
+        loss = trained * (head * 4 / 3 + chunk) if chunked else positions * (head + whole)
         return overhead + blocks + loss
 
     return time
