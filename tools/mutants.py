@@ -18,10 +18,12 @@ each against the whole suite: hours on a small machine, so never part of the def
 flags). ``--held-out-3`` runs instead the 36 of a third held-out audit, also written from
 the code alone (H1-H36), of the round that added tensor parallel and HSDP meshes, read
 leases, safe DCP reading, the export folder and the run lock: each against the whole suite
-too, so never part of the default run either. ``--held-out-31`` runs instead the 24 of a
-held-out audit of issue 31 §1-§2 (padding-free packing, evaluation a chunk of positions at a
-time), also written from the code alone, never from the tests (P31-1-P31-24): each against
-the suite's packing and chunked-loss tests (minutes each). ``--only ID,ID`` picks mutations
+too, so never part of the default run either. ``--held-out-31`` runs instead the 45 of a
+held-out audit of issue 31, also written from the code alone, never from the tests: of §1-§2
+(padding-free packing, evaluation a chunk of positions at a time; P31-1-P31-24), each
+against the suite's packing and chunked-loss tests, and of §4 (the memory planner: tie rule,
+speed model, probe, bend, refusal quotes, planned loss chunking; P31-25-P31-45), each
+against the planner's tests (minutes each). ``--only ID,ID`` picks mutations
 of any group by id. A few A mutations are re-expressed against later code (the same bug
 where the text moved or the old text became dead or equivalent): their comments say which
 and how.
@@ -83,6 +85,18 @@ T31 = (
     "tests/hf"
 )
 """The suite's packing and chunked-loss tests: what guards the held-out-31 mutations."""
+PLAN = "gradstep/memory/plan.py"
+SPEED = "gradstep/memory/speed.py"
+PLANNING = "gradstep_cli/plan/planning.py"
+QUOTE = "gradstep_cli/plan/quote.py"
+ROWS = "gradstep_cli/plan/rows.py"
+ESTIMATE = "gradstep_cli/plan/estimate.py"
+T31_PLAN = (
+    "tests/memory tests/cli/plan tests/integration/cli/test_plan.py "
+    "tests/integration/cli/test_plan_cli.py tests/integration/cli/test_plan_hf.py"
+)
+"""The planner's tests (tests/integration/cli/test_planning_runs.py does not exist; the
+integration files named for planning): what guards P31-25-P31-45."""
 
 MUTATIONS = [
     # ------------------------------------------------------------ the audit's 14
@@ -1732,6 +1746,258 @@ MUTATIONS = [
         ],
         T31,
     ),
+    # --- held-out audit of issue 31 §4 (``--held-out-31``, continued): the memory planner
+    # (gradstep.memory's plan, speed model, probe and fit; the CLI's planning, quote, rows,
+    # estimate and batch stages), written from the code alone, never from the tests; each
+    # against the planner's tests (T31_PLAN).
+    m(
+        "P31-25",
+        "tie rule: the larger micro-batch decided before checkpointing (a checkpointed larger "
+        "micro-batch beats a plain smaller one within 3%)",
+        PLAN,
+        [
+            (
+                "            c.activation_checkpointing,\n"
+                "            order[c.loss_chunk_tokens],\n"
+                "            -c.micro_batch_size,\n",
+                "            -c.micro_batch_size,\n"
+                "            c.activation_checkpointing,\n"
+                "            order[c.loss_chunk_tokens],\n",
+            )
+        ],
+        T31_PLAN,
+    ),
+    m(
+        "P31-26",
+        "tie rule: the smaller micro-batch wins a tie, not the larger",
+        PLAN,
+        [("            -c.micro_batch_size,\n", "            c.micro_batch_size,\n")],
+        T31_PLAN,
+    ),
+    m(
+        "P31-27",
+        "loss_chunks: the whole logits listed first (ties prefer whole over the run's chunking)",
+        ESTIMATE,
+        [
+            (
+                "    return [cfg.loss_chunk_tokens, 0]",
+                "    return [0, cfg.loss_chunk_tokens]",
+            )
+        ],
+        T31_PLAN,
+    ),
+    m(
+        "P31-28",
+        "speed: the chunked loss's recomputed logits not counted (x1, not x4/3)",
+        SPEED,
+        [
+            (
+                "loss = trained * (head * 4 / 3 + chunk) if chunked",
+                "loss = trained * (head + chunk) if chunked",
+            )
+        ],
+        T31_PLAN,
+    ),
+    m(
+        "P31-29",
+        "speed: a micro-batch's width is the mean row length, not the expected longest (padding "
+        "not counted)",
+        SPEED,
+        [("        width = longest[mbs]\n", "        width = mean\n")],
+        T31_PLAN,
+    ),
+    m(
+        "P31-30",
+        "speed: checkpointing's recomputed forward counted once per micro-batch, not per position",
+        SPEED,
+        [
+            (
+                "blocks += RECOMPUTE * positions * (forward + attention * width / 3)",
+                "blocks += RECOMPUTE * (forward + attention * width / 3)",
+            )
+        ],
+        T31_PLAN,
+    ),
+    m(
+        "P31-31",
+        "plan: the last micro-batch is per_rank % mbs (0 when mbs divides the per-rank batch)",
+        PLAN,
+        [
+            (
+                "    last = per_rank - (steps - 1) * mbs\n",
+                "    last = per_rank % mbs\n",
+            )
+        ],
+        T31_PLAN,
+    ),
+    m(
+        "P31-32",
+        "plan: a short last micro-batch's predicted peak ignored (only observable where "
+        "predict(last) > predict(mbs): a non-monotonic predict, e.g. per-shape costs)",
+        PLAN,
+        [
+            (
+                "    if last != mbs:\n        peak = max(peak, int(predict(last, *rest)))\n",
+                "",
+            )
+        ],
+        T31_PLAN,
+    ),
+    m(
+        "P31-33",
+        "plan: a candidate fits when its peak is within the whole budget (the margin not kept)",
+        PLAN,
+        [
+            (
+                "scored = [_candidate(key, per_rank, predict, timer, usable) for key in keys]",
+                "scored = [_candidate(key, per_rank, predict, timer, budget) for key in keys]",
+            )
+        ],
+        T31_PLAN,
+    ),
+    # Left out as equivalent: step_predictor's ran_here (what the probe ran, by the analytic
+    # model) estimated with the candidate's loss chunk, checkpointing or accumulation
+    # instead of the probe's: ran_here enters the prediction as bend(mbs, ran_here) -
+    # ran_here, and the bend is ran_here minus a line (or minus the one size's cost), so it
+    # cancels whenever the probe measured a point (it only matters for a probe with no
+    # points, a line given by hand).
+    m(
+        "P31-34",
+        "bend through one size: the probe's own cost per item not taken out (the growth "
+        "beyond the measured size counted twice)",
+        PLAN,
+        [
+            (
+                "        return lambda mbs, here: here - at - probe.per_item_bytes * (mbs - b0)",
+                "        return lambda mbs, here: here - at",
+            )
+        ],
+        T31_PLAN,
+    ),
+    m(
+        "P31-35",
+        "bend: the sign flipped (the measured line bent away from the analytic curve)",
+        PLAN,
+        [
+            (
+                "    return lambda mbs, here: here - (fixed + slope * mbs)",
+                "    return lambda mbs, here: (fixed + slope * mbs) - here",
+            )
+        ],
+        T31_PLAN,
+    ),
+    m(
+        "P31-36",
+        "loss_chunks: a --loss-chunk-tokens given on purpose is planned anyway (given ignored)",
+        ESTIMATE,
+        [
+            (
+                '    if "loss_chunk_tokens" in given or not cfg.loss_chunk_tokens:',
+                "    if not cfg.loss_chunk_tokens:",
+            )
+        ],
+        T31_PLAN,
+    ),
+    m(
+        "P31-37",
+        "plan_batch: train does not apply the plan's loss_chunk_tokens (keeps its own)",
+        "gradstep_cli/plan/batch.py",
+        [("            loss_chunk_tokens=planned.plan.loss_chunk_tokens,\n", "")],
+        T31_PLAN,
+    ),
+    m(
+        "P31-38",
+        "quote: a refusal's budget without the 2% slack",
+        QUOTE,
+        [
+            (
+                "    return needed_budget(peak * (1 + QUOTE_SLACK), MARGIN)",
+                "    return needed_budget(peak, MARGIN)",
+            )
+        ],
+        T31_PLAN,
+    ),
+    m(
+        "P31-39",
+        "needed: with the shapes unmeasured, the quote forgets the probe's first step plus room",
+        QUOTE,
+        [
+            (
+                "        peak = max(peak - result.shape_bytes + room_bytes, first + room_bytes)",
+                "        peak = peak - result.shape_bytes + room_bytes",
+            )
+        ],
+        T31_PLAN,
+    ),
+    m(
+        "P31-40",
+        "rows_of: --packing rows not marked packed (the probe runs unpacked rows and sweeps)",
+        ROWS,
+        [
+            (
+                "        return Rows(cfg.seq_len, packed=True, trained=trained, source=source)",
+                "        return Rows(cfg.seq_len, trained=trained, source=source)",
+            )
+        ],
+        T31_PLAN,
+    ),
+    m(
+        "P31-41",
+        "probe_batches: packed probe rows get position_ids only, no seq_ids (no mask paid for)",
+        ROWS,
+        [
+            (
+                "            out.update(_packed_keys(rows, width))",
+                '            out["position_ids"] = _packed_keys(rows, width)["position_ids"]',
+            )
+        ],
+        T31_PLAN,
+    ),
+    m(
+        "P31-42",
+        "probe sizes: capped at the fastest size even when it is 1 (a one-size probe, no "
+        "measured line)",
+        PLANNING,
+        [
+            (
+                "    return [s for s in (1, 2, 4) if s <= min(run.per_rank, max(2, fastest))]",
+                "    return [s for s in (1, 2, 4) if s <= min(run.per_rank, fastest)]",
+            )
+        ],
+        T31_PLAN,
+    ),
+    m(
+        "P31-43",
+        "planning: the speed model not given the data's trained share (a prompt's tokens "
+        "counted as trained by the chunked loss)",
+        PLANNING,
+        [
+            (
+                "step_time_model(shape, data.width, lengths, counts, device.type, data.trained)",
+                "step_time_model(shape, data.width, lengths, counts, device.type)",
+            )
+        ],
+        T31_PLAN,
+    ),
+    m(
+        "P31-44",
+        "estimate_kwargs: --packing not passed to the analytic model (the mask not counted)",
+        ESTIMATE,
+        [('        "packed": cfg.packing,\n', "")],
+        T31_PLAN,
+    ),
+    m(
+        "P31-45",
+        "_choose: with --loss-chunk-tokens kept, the speed model counts the whole logits' loss",
+        PLANNING,
+        [
+            (
+                "(lambda m, c: speed(m, c, run.cfg.loss_chunk_tokens))",
+                "(lambda m, c: speed(m, c))",
+            )
+        ],
+        T31_PLAN,
+    ),
 ]
 
 
@@ -1845,8 +2111,8 @@ def main(argv: list[str] | None = None) -> int:
     group.add_argument(
         "--held-out-31",
         action="store_true",
-        help="issue 31's held-out audit P31-1-P31-24 (packing, chunked evaluation) against "
-        "the packing and chunked-loss tests instead of the curated list",
+        help="issue 31's held-out audit P31-1-P31-45 (packing, chunked evaluation, the "
+        "memory planner) against their tests instead of the curated list",
     )
     parser.add_argument("--list", action="store_true", help="list the mutations and exit")
     parser.add_argument(

@@ -276,6 +276,20 @@ def test_a_refusal_quotes_the_budget_the_caller_says_holds_a_candidate():
     assert "micro-batch 1," in str(err.value)
 
 
+def test_a_short_last_micro_batchs_own_peak_is_weighed():
+    """5 items at micro-batch 3 are a window of 3 and 2: the 2 is another input shape (on
+    CPU, new kernels) and may peak above the 3; the candidate fits only if both do."""
+    peaks = {3: 100 * MiB, 2: 900 * MiB}
+
+    def predict(mbs, ckpt):
+        return peaks[mbs]
+
+    with pytest.raises(ValueError, match="too small"):
+        plan_step(500 * MiB, 5, predict=predict, micro_batch_sizes=[3], checkpointing=(False,))
+    plan = plan_step(1 * 2**30, 5, predict=predict, micro_batch_sizes=[3], checkpointing=(False,))
+    assert plan.last_micro_batch_size == 2 and plan.predicted_peak_bytes == 900 * MiB
+
+
 def test_the_probes_line_bends_where_the_analytic_model_stops_growing():
     """A 1024-token loss chunk fills at 4 rows of 256: a line through the peaks of 1, 2
     and 4 rows keeps growing by a chunk's quarter a row, the chunk does not. The prediction

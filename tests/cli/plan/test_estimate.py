@@ -59,3 +59,18 @@ def test_the_planner_estimates_the_runs_optimizer(optimizer):
     kwargs = estimate_kwargs(cfg, torch.device("cpu"), 1)
     est = estimate_step_memory(shape_of(cfg), 1, **kwargs)
     assert est.optimizer == state_bytes > 0
+
+
+def test_packed_rows_are_estimated_with_their_mask():
+    """``--packing``: the analytic model is told (each layer keeps the block-causal mask), so
+    a packed run's estimate is above the same run's unpacked one."""
+    from gradstep.memory import estimate_step_memory
+    from gradstep_cli.plan.estimate import estimate_kwargs, shape_of
+
+    cfg = _fixed_cfg("1GiB")
+    totals = {}
+    for packing in (False, True):
+        kwargs = estimate_kwargs(dataclasses.replace(cfg, packing=packing), torch.device("cpu"), 1)
+        assert kwargs["packed"] is packing
+        totals[packing] = estimate_step_memory(shape_of(cfg), 4, **kwargs).total
+    assert totals[True] > totals[False]

@@ -139,6 +139,12 @@ def test_a_refusal_after_a_sweep_that_could_not_run_quotes_the_room_it_needs():
     want = needed_budget((406 - 52) * mib * (1 + QUOTE_SLACK) + SHAPE_GUESS_BYTES * 1.02, MARGIN)
     assert abs(needed(cand, unmeasured, spare) - want) <= 1
     assert needed(cand, unmeasured, spare) < needed_budget(406 * mib, MARGIN)  # not 451 MiB
+    # A candidate predicted below the probe's own first step (checkpointing where the probe
+    # ran without): the quote still holds that step and the sweep's room.
+    low = dataclasses.replace(cand, predicted_peak_bytes=380 * mib)  # 380 - 52 < 352
+    assert needed(low, unmeasured, spare) == needed_budget(
+        (352 * mib + SHAPE_GUESS_BYTES) * (1 + QUOTE_SLACK), MARGIN
+    )
     measured = dataclasses.replace(unmeasured, shapes_unmeasured=False, shape_bytes=5 * mib)
     assert needed(cand, measured, spare) == needed_budget(406 * mib * (1 + QUOTE_SLACK), MARGIN)
 
@@ -229,3 +235,98 @@ def test_planning_runs_with_the_runs_threads(monkeypatch, capsys):
     finally:
         torch.set_num_threads(before)
     capsys.readouterr()
+
+
+def _gpt_cfg(**kw):
+    from gradstep_cli.config.settings import TrainConfig
+
+    base = dict(n_layer=1, n_head=2, d_model=16, seq_len=64, global_batch=8,
+                micro_batch_size="auto", memory_budget="8GiB", device="cpu")  # fmt: skip
+    return TrainConfig(**{**base, **kw})
+
+
+def _sft_source():
+    """Unpacked rows of 10-64 tokens, a quarter of whose tokens train (prompt/completion)."""
+    import numpy as np
+
+    from tests.cli.plan.test_rows import Source
+
+    return Source([10, 20, 40, 64, 64], np.array([False, False, False, True] * 40))
+
+
+def _step_times(cfg, source):
+    """What each candidate's step must cost: the speed model of the run's rows and loss."""
+    from gradstep.memory import step_time_model
+    from gradstep_cli.models.spec import ModelSpec
+    from gradstep_cli.plan.estimate import model_shape
+
+    shape = model_shape(ModelSpec.of(cfg, None), 64)
+    return step_time_model(shape, 64, [10, 20, 40, 64], [1, 1, 1, 2], "cpu", trained=0.25)
+
+
+@pytest.mark.parametrize("chunk", [None, 64])
+def test_each_candidate_is_timed_on_the_runs_rows_and_its_loss(chunk):
+    """The step time of every candidate is the count for the data's lengths and the share
+    of tokens that train (a quarter here: the chunked loss projects only those), with the
+    candidate's loss (planned: chunked or whole) or the run's (``--loss-chunk-tokens``
+    given: kept)."""
+    from gradstep_cli.plan.planning import plan_run
+
+    cfg = _gpt_cfg() if chunk is None else _gpt_cfg(loss_chunk_tokens=chunk)
+    plan = plan_run(cfg, torch.device("cpu"), probe=False, source=_sft_source()).plan
+    time = _step_times(cfg, None)
+    seen = set()
+    for c in plan.candidates:
+        loss = chunk if chunk is not None else c.loss_chunk_tokens
+        seen.add(loss)
+        key = (c.activation_checkpointing, loss)
+        want = (c.accum_steps - 1) * time(c.micro_batch_size, *key) + time(
+            c.last_micro_batch_size, *key
+        )
+        assert c.step_seconds == pytest.approx(want, rel=1e-12), c
+    assert seen == ({1024, 0} if chunk is None else {64})
+
+
+def test_the_probe_measures_two_sizes_even_when_one_row_is_fastest():
+    """Unpacked ragged rows make micro-batch 1 the fastest: the probe still runs 2 (a
+    measured line, not the analytic slope through one point), but nothing larger."""
+    from types import SimpleNamespace
+
+    from gradstep_cli.plan.planning import _probe_sizes
+
+    def run(per_rank, cost):
+        return SimpleNamespace(cfg=SimpleNamespace(loss_chunk_tokens=1024), per_rank=per_rank,
+                               speed=lambda m, ckpt, chunk: cost(m))  # fmt: skip
+
+    assert _probe_sizes(run(16, lambda m: m * m)) == [1, 2]  # padding: 1 is fastest
+    assert _probe_sizes(run(16, lambda m: m + 10)) == [1, 2, 4]  # packed: larger is faster
+    assert _probe_sizes(run(3, lambda m: m + 10)) == [1, 2]
+    assert _probe_sizes(run(1, lambda m: m)) == [1]
+
+
+def test_train_runs_the_loss_the_plan_chose(monkeypatch):
+    """``--micro-batch-size auto`` takes the plan's micro-batch, checkpointing and loss:
+    a plan of the whole logits (0) trains the whole logits, not the default chunks."""
+    from types import SimpleNamespace
+
+    from gradstep import parallel
+    from gradstep.memory import Plan
+    from gradstep_cli.models.spec import ModelSpec
+    from gradstep_cli.plan import batch as stage
+    from gradstep_cli.plan import planning
+    from gradstep_cli.run.launch import Launch
+    from gradstep_cli.run.start import Checked
+
+    cfg = _gpt_cfg()
+    chosen = Plan(micro_batch_size=2, accum_steps=4, activation_checkpointing=True,
+                  predicted_peak_bytes=1, budget_bytes=2, global_batch=8,
+                  loss_chunk_tokens=0)  # fmt: skip
+    planned = planning.Planned(chosen, None, 0, 64, 0)
+    monkeypatch.setattr(planning, "plan_for", lambda *a, **k: planned)
+    monkeypatch.setattr(stage, "_say_plan", lambda p: None)
+    launch = Launch.of(cfg, parallel.DistEnv(0, 1, 0, torch.device("cpu"), None))
+    out = stage.plan_batch(Checked(cfg, launch), SimpleNamespace(source=None),
+                           ModelSpec.of(cfg, None))  # fmt: skip
+    assert cfg.loss_chunk_tokens == 1024
+    assert (out.cfg.micro_batch_size, out.cfg.activation_checkpointing) == (2, True)
+    assert out.cfg.loss_chunk_tokens == 0 and out.cfg.accum_steps == 4
