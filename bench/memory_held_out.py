@@ -30,7 +30,9 @@ def _err(pred: float, meas: float) -> float:
 WATCHER = r"""
 import json, os, sys, time
 root, interval = int(sys.argv[1]), float(sys.argv[2]) / 1000
-seen = {}
+metrics = sys.argv[3] if len(sys.argv) > 3 else None
+tick = os.sysconf("SC_CLK_TCK")
+seen, steps, lines = {}, [], 0
 
 def tree(pid):
     out = [pid]
@@ -42,6 +44,11 @@ def tree(pid):
     except OSError:
         pass
     return out
+
+def cpu(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / tick
 
 while os.path.exists(f"/proc/{root}"):
     for pid in tree(root):
@@ -55,14 +62,26 @@ while os.path.exists(f"/proc/{root}"):
         old = seen.get(pid, {"rss": 0, "hwm": 0, "parent": pid == root})
         seen[pid] = {"rss": max(old["rss"], rss), "hwm": max(old["hwm"], hwm),
                      "parent": pid == root}
+    if metrics:
+        try:
+            with open(metrics, "rb") as f:
+                now = f.read().count(b"\n")
+            if now > lines:
+                lines = now
+                steps.append([now, cpu(root), time.perf_counter()])
+        except (OSError, IndexError, ValueError):
+            pass
     time.sleep(interval)
-print(json.dumps(seen))
+print(json.dumps({"procs": seen, "steps": steps}))
 """
 """The independent sampler: a separate interpreter (no torch) that reads ``VmRSS`` and
 ``VmHWM`` from ``/proc/PID/status`` of the run and all its descendants (both ranks under
 torchrun) every few ms and keeps each process's maximum. It does not rely on the run's own
 counter, which gradstep resets (``clear_refs``): a sample taken between resets still sees
-each high-water mark."""
+each high-water mark. Given a ``metrics.jsonl`` path, it also reads the run's CPU time
+(``/proc/PID/stat``) whenever the file gains a line (a step ended: it is flushed every
+step): steps' CPU seconds, which other processes on a shared machine do not stretch as
+they stretch wall time."""
 
 
 @dataclass(frozen=True)
@@ -115,15 +134,22 @@ def _launch(case: HeldOut, command: str) -> list[str]:
 
 def watched(cmd: list[str], interval_ms: float) -> tuple[subprocess.CompletedProcess, dict]:
     """Run ``cmd`` under the sampler; (its result, per-process maxima)."""
+    proc, seen = watched_steps(cmd, None, interval_ms)
+    return proc, seen["procs"]
+
+
+def watched_steps(
+    cmd: list[str], metrics: Path | None, interval_ms: float
+) -> tuple[subprocess.CompletedProcess, dict]:
+    """Run ``cmd`` under the sampler; (its result, ``{"procs": per-process maxima, "steps":
+    [[metrics lines, CPU seconds, wall clock], ...]}``, the steps read from ``metrics``)."""
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    watcher = subprocess.Popen(
-        [sys.executable, "-c", WATCHER, str(proc.pid), str(interval_ms)],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    argv = [sys.executable, "-c", WATCHER, str(proc.pid), str(interval_ms)]
+    watcher = subprocess.Popen([*argv, *([str(metrics)] if metrics else [])],
+                               stdout=subprocess.PIPE, text=True)  # fmt: skip
     out, err = proc.communicate()
-    seen = json.loads(watcher.communicate()[0] or "{}")
+    seen = json.loads(watcher.communicate()[0] or '{"procs": {}, "steps": []}')
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err), seen
 
 

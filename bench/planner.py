@@ -52,7 +52,7 @@ from types import SimpleNamespace
 
 from _common import BaseConfig, machine_info, write_outputs
 from gradstep.memory import parse_size
-from memory_held_out import _launch, _ranks_peak
+from memory_held_out import _launch, _ranks_peak, watched_steps
 
 MiB = 2**20
 ROOT = Path(__file__).resolve().parent.parent
@@ -150,73 +150,6 @@ def _flags(case: Case, paths: dict) -> list[str]:
 
 # ----------------------------------------------------------------------------- runs
 
-WATCHER = r"""
-import json, os, sys, time
-root, interval, metrics = int(sys.argv[1]), float(sys.argv[2]) / 1000, sys.argv[3]
-tick = os.sysconf("SC_CLK_TCK")
-seen, steps, lines = {}, [], 0
-
-def tree(pid):
-    out = [pid]
-    try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                for child in f.read().split():
-                    out += tree(int(child))
-    except OSError:
-        pass
-    return out
-
-def cpu(pid):
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / tick
-
-while os.path.exists(f"/proc/{root}"):
-    for pid in tree(root):
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                fields = dict(line.split(":", 1) for line in f)
-            rss = int(fields["VmRSS"].split()[0]) * 1024
-            hwm = int(fields["VmHWM"].split()[0]) * 1024
-        except (OSError, KeyError, ValueError):
-            continue
-        old = seen.get(pid, {"rss": 0, "hwm": 0})
-        seen[pid] = {"rss": max(old["rss"], rss), "hwm": max(old["hwm"], hwm),
-                     "parent": pid == root}
-    try:
-        with open(metrics, "rb") as f:
-            now = f.read().count(b"\n")
-        if now > lines:
-            lines = now
-            steps.append([now, cpu(root), time.perf_counter()])
-    except (OSError, IndexError, ValueError):
-        pass
-    time.sleep(interval)
-print(json.dumps({"procs": seen, "steps": steps}))
-"""
-"""The independent sampler: a separate interpreter (no torch) that keeps each process's
-highest ``VmRSS`` and ``VmHWM`` (``/proc/PID/status``, the run and its descendants) and,
-whenever the run's ``metrics.jsonl`` gains a line (a step ended: it is flushed every
-step), the run's CPU time (``/proc/PID/stat``, clock ticks): steps' CPU seconds, which
-other processes on a shared machine do not stretch as they stretch wall time."""
-
-
-def watched(
-    cmd: list[str], metrics: Path, interval_ms: float
-) -> tuple[subprocess.CompletedProcess, dict]:
-    """Run ``cmd`` under the sampler; (its result, the sampler's record)."""
-    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    watcher = subprocess.Popen(
-        [sys.executable, "-c", WATCHER, str(proc.pid), str(interval_ms), str(metrics)],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    out, err = proc.communicate()
-    seen = json.loads(watcher.communicate()[0] or '{"procs": {}, "steps": []}')
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err), seen
-
 
 def step_cpu(metrics: list[dict], steps: list[list[float]]) -> dict[int, list[float]]:
     """{step: [trained tokens, CPU seconds]} of the steps after the warm-up: a step's CPU
@@ -255,7 +188,7 @@ def train(case: Case, paths: dict, work: Path, batch: list[str], steps: int, tag
     if out.exists():
         shutil.rmtree(out)
     start = time.perf_counter()
-    proc, seen = watched(cmd, out / "metrics.jsonl", sample_ms)
+    proc, seen = watched_steps(cmd, out / "metrics.jsonl", sample_ms)
     row: dict = {"tag": tag, "budget": parse_size(budget), "wall_s": time.perf_counter() - start}
     if proc.returncode != 0:
         row["error"] = (proc.stderr.strip().splitlines() or ["?"])[-1][-300:]
