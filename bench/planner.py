@@ -32,6 +32,7 @@ checked by running ``train --micro-batch-size auto`` at the budget the refusal q
     .venv/bin/python bench/planner.py             # every configuration (~35 min, 2 cores)
     .venv/bin/python bench/planner.py --quick 1   # two configurations, one round (smoke)
     .venv/bin/python bench/planner.py --only G1,H2
+    .venv/bin/python bench/planner.py --choices 1  # plan/train's choices vs the recorded
 Outputs: a markdown table on stdout and bench/out/planner.{md,json} (quick runs:
 bench/out/planner_quick.*). Exit status 1 when a ratio is under 0.95 or train chose
 another plan than plan.
@@ -75,7 +76,6 @@ class Case:
     global_batch: int
     budget_mib: int
     what: str = ""
-    steps: int = 7
 
 
 def _gpt(layers: int, width: int, heads: int, seq: int, *extra: str) -> tuple[str, ...]:
@@ -111,6 +111,7 @@ RUN_FLAGS = ("--warmup", "1", "--eval-every", "0", "--eval-batches", "1", "--sam
 class Config(BaseConfig):
     only: str = ""
     quick: int = 0
+    choices: int = 0
     steps: int = 6
     sample_ms: float = 3.0
     work: str = "runs/planner_bench"
@@ -118,6 +119,8 @@ class Config(BaseConfig):
     HELP = {
         "only": "comma-separated case names (G1, G2, H1, ..., H4)",
         "quick": "1: two configurations, one round (a smoke test)",
+        "choices": "1: only plan and train auto each configuration with this code, against "
+        "the choices bench/out/planner.json recorded (brute force not rerun; ~3 min)",
         "steps": "optimizer steps per brute-force run (the first WARM are left out)",
     }
 
@@ -424,6 +427,22 @@ def refusal_text(ref: dict) -> str:
     )
 
 
+def same_choices(cases: list[Case], paths: dict, work: Path, cfg: Config) -> int:
+    """``--choices 1``: after a change to the planner, whether ``plan`` and ``train
+    --micro-batch-size auto`` still choose what the recorded table measured (its brute force
+    needs no rerun then: every plan there was given by hand). 1 when any choice moved."""
+    recorded = json.loads((ROOT / "bench" / "out" / "planner.json").read_text())["rows"]
+    moved = 0
+    for case in cases:
+        st = planned(case, paths, work, cfg)
+        then = next(r["chosen"] for r in recorded if r["config"].split()[0] == case.name)
+        now, auto = _name(st["chosen"]), _name(st["auto"].get("chosen"))
+        moved += now != then or auto != then
+        print(f"| {case.name} | {then} | {now} | {auto} |")
+    print(f"{moved} of {len(cases)} choices moved")
+    return 1 if moved else 0
+
+
 def main() -> int:
     cfg, _ = Config.parse(None, Config.parser("the planner's choice vs brute force"))
     wanted = set(QUICK) if cfg.quick else {w for w in cfg.only.split(",") if w}
@@ -431,6 +450,8 @@ def main() -> int:
     work = ROOT / cfg.work
     started = time.perf_counter()
     paths = assets(work)
+    if cfg.choices:
+        return same_choices(cases, paths, work, cfg)
     state: dict = {}
     for case in cases:
         state[case.name] = planned(case, paths, work, cfg)

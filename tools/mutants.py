@@ -1780,19 +1780,19 @@ MUTATIONS = [
         ESTIMATE,
         [
             (
-                "    return [cfg.loss_chunk_tokens, 0]",
-                "    return [0, cfg.loss_chunk_tokens]",
+                "    return [cfg.loss_chunk_tokens or default, 0]",
+                "    return [0, cfg.loss_chunk_tokens or default]",
             )
         ],
         T31_PLAN,
     ),
     m(
         "P31-28",
-        "speed: the chunked loss's recomputed logits not counted (x1, not x4/3)",
+        "speed: the chunked loss's recomputed logits not counted",
         SPEED,
         [
             (
-                "loss = trained * (head * 4 / 3 + chunk) if chunked",
+                "loss = trained * (head + again + chunk) if chunked",
                 "loss = trained * (head + chunk) if chunked",
             )
         ],
@@ -1892,8 +1892,8 @@ MUTATIONS = [
         ESTIMATE,
         [
             (
-                '    if "loss_chunk_tokens" in given or not cfg.loss_chunk_tokens:',
-                "    if not cfg.loss_chunk_tokens:",
+                '    if "loss_chunk_tokens" in given or not head_chunks(model):',
+                "    if not head_chunks(model):",
             )
         ],
         T31_PLAN,
@@ -1992,7 +1992,7 @@ MUTATIONS = [
         PLANNING,
         [
             (
-                "(lambda m, c: speed(m, c, run.cfg.loss_chunk_tokens))",
+                "(lambda m, c: speed(m, c, run.chunk))",
                 "(lambda m, c: speed(m, c))",
             )
         ],

@@ -137,7 +137,12 @@ def _run_plan(args: argparse.Namespace) -> int:
             model = resolve_model(checked)
             setup = time.perf_counter() - started
             planned = planning.plan_for(
-                cfg, checked.launch, model, data.source, probe=not args.no_probe
+                checked.cfg,
+                checked.launch,
+                model,
+                data.source,
+                probe=not args.no_probe,
+                given=checked.given,  # as train's: a --loss-chunk-tokens given is kept
             )
             took = planning.timing_line(planned, time.perf_counter() - started, setup)
             _print_plan(planned, args.json, took)

@@ -312,3 +312,19 @@ def test_the_probes_line_bends_where_the_analytic_model_stops_growing():
     one = ProbeResult(est(1) - 10**9, 10**9, points[:1], 0.0, "x")  # one size, any slope
     assert abs(step_predictor(shape, probe=one, per_rank_batch=16, loss_chunk_tokens=1024)(
         16, False) - est(16)) <= 2  # fmt: skip
+
+
+def test_a_plan_of_the_loss_too_without_step_times_and_its_table_marks_the_choice():
+    """``loss_chunks`` without ``step_time``: the default step time ignores the loss (the
+    tie rule then takes the first setting); the table marks the chosen row whether the loss
+    was planned or not."""
+
+    def predict(mbs, ckpt, chunk=None):
+        return (100 + 10 * mbs) * MiB
+
+    plan = plan_step(2**30, 4, predict=predict, loss_chunks=[1024, 0])
+    assert plan.loss_chunk_tokens == 1024 and not plan.timed
+    assert sum(line.startswith("*") for line in plan.table().splitlines()) == 1
+    kept = plan_step(2**30, 4, predict=lambda m, c: predict(m, c))
+    kept.loss_chunk_tokens = 1024  # the run's own, not planned (the CLI sets it so)
+    assert sum(line.lstrip().startswith("*") for line in kept.table().splitlines()) == 1

@@ -78,3 +78,20 @@ def test_frozen_weights_compute_no_weight_gradient():
     lora = HFShape(**base, d_ff=128, vocab_size=100, seq_len=32, lora_rank=2,
                    lora_targets=("q_proj",))  # fmt: skip
     assert row_time(lora)(1, 32.0, 32.0, False, False) < row_time(full)(1, 32.0, 32.0, False, False)
+
+
+def test_the_chunked_loss_projects_each_chunk_once_more_through_any_head():
+    """Backward recomputes each chunk's logits: one more forward projection (2 v d a
+    trained position) whether the head trains (8 v d in all) or is frozen (6, not 4 x 4/3)."""
+    from gradstep.memory import HFShape
+    from gradstep.memory.speed import LOGIT_FLOPS
+
+    base = dict(family="llama", n_layer=2, d_model=64, n_head=4, n_kv_head=4, head_dim=16)
+    full = HFShape(**base, d_ff=128, vocab_size=1000, seq_len=32)
+    lora = HFShape(**base, d_ff=128, vocab_size=1000, seq_len=32, lora_rank=2,
+                   lora_targets=("q_proj",))  # fmt: skip
+    whole, chunk = LOGIT_FLOPS["cpu"]
+    for shape in (full, lora):
+        t = row_time(shape)
+        extra = t(1, 32.0, 32.0, False, True) - t(1, 32.0, 32.0, False, False)
+        assert extra == pytest.approx(32 * (2 * 1000 * 64 + 1000 * (chunk - whole)), rel=1e-12)

@@ -8,12 +8,21 @@ from dataclasses import asdict, dataclass, field
 
 from .units import format_bytes
 
-__all__ = ["Candidate", "Plan", "loss_text"]
+__all__ = ["Candidate", "Plan", "loss_text", "loss_words"]
 
 
 def loss_text(chunk: int | None) -> str:
     """``--loss-chunk-tokens`` as the table shows it (None: not planned)."""
     return "-" if chunk is None else "whole" if chunk == 0 else str(chunk)
+
+
+def loss_words(chunk: int | None) -> str:
+    """``--loss-chunk-tokens`` as a sentence says it, after a comma ("" when not planned)."""
+    if chunk is None:
+        return ""
+    return (
+        ", the loss from the whole logits" if chunk == 0 else f", the loss {chunk} tokens at a time"
+    )
 
 
 @dataclass(frozen=True)
@@ -83,9 +92,14 @@ class Plan:
         out["process_peak_bytes"] = self.process_peak_bytes
         return out
 
+    def chosen(self, c: Candidate) -> bool:
+        """Whether ``c`` is the plan's choice (a candidate of an unplanned loss has none)."""
+        planned = c.loss_chunk_tokens is not None
+        return c.key[:2] == self.key[:2] and (not planned or c.key[2] == self.key[2])
+
     def _row(self, c: Candidate, chunks: bool) -> tuple[str, ...]:
         return (
-            "*" if c.key == self.key else "",
+            "*" if self.chosen(c) else "",
             str(c.micro_batch_size),
             str(c.accum_steps),
             str(c.last_micro_batch_size),
@@ -131,13 +145,7 @@ class Plan:
         return "\n".join(lines)
 
     def _chosen_line(self) -> str:
-        loss = ""
-        if self.loss_chunk_tokens is not None:
-            loss = (
-                ", the loss from the whole logits"
-                if self.loss_chunk_tokens == 0
-                else f", the loss {self.loss_chunk_tokens} tokens at a time"
-            )
+        loss = loss_words(self.loss_chunk_tokens)
         return (
             f"chosen: micro-batch {self.micro_batch_size} x {self.accum_steps} accumulation "
             f"steps (last {self.last_micro_batch_size}), activation checkpointing "

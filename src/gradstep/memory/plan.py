@@ -17,7 +17,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 
-from .candidates import Candidate, Plan
+from .candidates import Candidate, Plan, loss_words
 from .fit import _line
 from .model import Shape, estimate_step_memory
 from .probe import ProbeResult
@@ -37,10 +37,10 @@ __all__ = [
 ]
 
 CHECKPOINT_FACTOR = 4 / 3
-"""Step time with checkpointing / without when nothing is measured: backward costs about
-two forwards, so one recomputed forward adds a third. An upper estimate; calibrated on CPU,
-torch 2.13, the demo GPT, which measured 1.15 (bench/memory.py), its backward costing more
-than two forwards."""
+"""Step time with checkpointing / without in :func:`default_step_time`, for a caller with
+no shapes to count (the command line counts them: :data:`gradstep.memory.speed.RECOMPUTE`,
+1.45-1.6x measured on CPU): backward costs about two forwards, so one recomputed forward
+adds a third."""
 
 TIE = 0.03
 """Candidates within this fraction of the fastest predicted throughput are ties, decided by
@@ -68,7 +68,8 @@ def default_step_time(
     ``overhead_items`` items (launches, Python, reading the weights) plus one unit per item;
     checkpointing multiplies both (the recomputed forward repeats launches and math)."""
 
-    def step_time(mbs: int, checkpointing: bool) -> float:
+    def step_time(mbs: int, checkpointing: bool, loss_chunk_tokens: int = 0) -> float:
+        # The loss's chunking is not modelled: every candidate's loss costs the same.
         return (overhead_items + mbs) * (checkpoint_factor if checkpointing else 1.0)
 
     return step_time
@@ -81,7 +82,7 @@ def probe_step_time(
 ) -> Callable[[int, bool], float]:
     """Micro-batch time from a probe's time fit; the other checkpointing setting scaled."""
 
-    def step_time(mbs: int, checkpointing: bool) -> float:
+    def step_time(mbs: int, checkpointing: bool, loss_chunk_tokens: int = 0) -> float:
         t = probe.predict_seconds(mbs)
         if checkpointing == probe_checkpointing:
             return t
@@ -128,18 +129,20 @@ def step_predictor(
         )
         return est.total
 
+    bend = None
+    if probe is not None:
+        bend = _bend(probe, lambda b: estimate(b, probe_checkpointing, probe_accum_steps, ran))
+
     def predict(mbs: int, checkpointing: bool, loss_chunk_tokens: int | None = None) -> int:
         steps = math.ceil(per_rank_batch / mbs) if per_rank_batch else None
         chunk = ran if loss_chunk_tokens is None else loss_chunk_tokens
-        if probe is None:
+        if probe is None or bend is None:
             return estimate(mbs, checkpointing, steps, chunk) + extra_bytes
         ran_here = estimate(mbs, probe_checkpointing, probe_accum_steps, ran)
         delta = estimate(mbs, checkpointing, steps, chunk) - ran_here
         measured = probe.predict(mbs) + bend(mbs, ran_here)
         return round(measured + delta + _shape_bytes(probe, mbs, per_rank_batch) + extra_bytes)
 
-    if probe is not None:
-        bend = _bend(probe, lambda b: estimate(b, probe_checkpointing, probe_accum_steps, ran))
     return predict
 
 
@@ -280,7 +283,8 @@ def _too_small(
         f"memory budget {format_bytes(budget)} is too small: with a {margin:.0%} safety "
         f"margin {format_bytes(budget * (1 - margin))} is usable, and the smallest candidate "
         f"(micro-batch {cand.micro_batch_size}, activation checkpointing "
-        f"{'on' if cand.activation_checkpointing else 'off'}) needs "
+        f"{'on' if cand.activation_checkpointing else 'off'}"
+        f"{loss_words(cand.loss_chunk_tokens)}) needs "
         f"{format_bytes(cand.predicted_peak_bytes)} per device: a budget of at "
         f"least {budget_text(need)} fits it; or shorten the sequences, shrink the model",
         need,

@@ -17,7 +17,8 @@ countable instead:
 * **the loss**: from the whole logits, the head projects every position, padding included
   (``6 V d`` per position); chunked (``gradstep.step.chunked_token_loss``), only the
   positions that train (``trained``: their share of the real tokens; a prompt's do not),
-  each twice forward (``8 V d``: backward recomputes each chunk's logits).
+  each twice forward (``8 V d``, or ``6 V d`` through a frozen head: backward recomputes
+  each chunk's logits).
 * **the softmax**: per logit element, the log-softmax, its gradient and the allocations
   around them (:data:`LOGIT_FLOPS`), over every position from the whole logits and over
   the trained positions chunked. Not a matmul's flops but memory traffic at the matmul's
@@ -30,8 +31,9 @@ countable instead:
   per block, in flops of the same device.
 
 The constants were calibrated on CPU (torch 2.13, one thread, the demo GPT and a small
-Llama, bench/planner.py); on CUDA the fixed cost per micro-batch is larger relative to the
-math (:data:`OVERHEAD_FLOPS` has a value per device type, the CUDA one not calibrated).
+Llama, a one-off sweep not kept as a script; bench/planner.py measures the choices they
+lead to); on CUDA the fixed cost per micro-batch is larger relative to the math
+(:data:`OVERHEAD_FLOPS` has a value per device type, the CUDA one not calibrated).
 """
 
 from __future__ import annotations
@@ -69,8 +71,8 @@ cheaper. CUDA: not calibrated (memory-bound passes at ~3 TB/s against ~2e14 flop
 OVERHEAD_FLOPS = {"cpu": 5.0e7, "cuda": 5.0e10}
 """A micro-batch's fixed cost per block (kernel dispatch, Python, autograd bookkeeping,
 allocation), in flops of the device. CPU: calibrated on the 2-core test machine, torch
-2.13, one thread (bench/planner.py's calibration shapes: ~2-5 ms per block's forward and
-backward at ~10-20 Gflop/s). CUDA: not calibrated (no GPU here): ~50 kernel launches of
+2.13, one thread (the one-off sweep above: ~2-5 ms per block's forward and backward at
+~10-20 Gflop/s). CUDA: not calibrated (no GPU here): ~50 kernel launches of
 ~5 us per block against ~2e14 flop/s, so a GPU wants larger micro-batches."""
 
 
@@ -111,6 +113,7 @@ def row_time(
     body, attention, head, forward = _work(shape)
     fixed = OVERHEAD_FLOPS.get(device, OVERHEAD_FLOPS["cuda"]) * (shape.n_layer + 1)
     whole, chunk = (shape.vocab_size * f for f in LOGIT_FLOPS.get(device, LOGIT_FLOPS["cuda"]))
+    again = 2.0 * shape.vocab_size * shape.d_model
 
     def time(rows: int, width: float, trained: float, checkpointing: bool, chunked: bool) -> float:
         positions = rows * width
@@ -119,7 +122,9 @@ def row_time(
         if checkpointing:  # the recomputed forward: its math and its dispatch (a third)
             blocks += RECOMPUTE * positions * (forward + attention * width / 3)
             overhead *= 1 + RECOMPUTE / 3
-        loss = trained * (head * 4 / 3 + chunk) if chunked else positions * (head + whole)
+        # Chunked: backward projects each chunk once more (2 v d), whether the head trains
+        # (8 v d in all, not 6) or is frozen (6, not 4).
+        loss = trained * (head + again + chunk) if chunked else positions * (head + whole)
         return overhead + blocks + loss
 
     return time

@@ -19,6 +19,7 @@ from gradstep.memory import (
     from_hf_config,
     lora_targets,
 )
+from gradstep.memory.hf_activations import chunks_loss
 from gradstep_cli.config.settings import TrainConfig
 from gradstep_cli.models.gpt import GPTConfig
 from gradstep_cli.models.parallel_plan import layout_of
@@ -27,6 +28,7 @@ from gradstep_cli.models.spec import ModelSpec
 __all__ = [
     "estimate_kwargs",
     "gpt_shape",
+    "head_chunks",
     "loss_chunks",
     "model_shape",
     "optimizer_memory",
@@ -125,21 +127,30 @@ def quiet_hf_config(cfg: TrainConfig) -> Any:
         return hf_config(cfg)
 
 
+def head_chunks(model: ModelSpec) -> bool:
+    """Whether the run's loss can leave out the whole logits (``gradstep.hf.chunkable`` from
+    the config alone): the demo GPT's always; an HF model's unless a softcap or a scale
+    follows its projection or LoRA adapts it (the memory model's rule,
+    ``hf_activations.chunks_loss``)."""
+    config = model.hf_config
+    if config is None:
+        return True
+    after = ("final_logit_softcapping", "logit_scale")
+    if any(getattr(config, name, None) is not None for name in after):
+        return False
+    return chunks_loss(model_shape(model), 1)
+
+
 def loss_chunks(
     cfg: TrainConfig, model: ModelSpec, given: frozenset[str] | None
 ) -> list[int] | None:
-    """The ``--loss-chunk-tokens`` settings to choose from: the run's own and the whole
-    logits, unless the flag was given (or is 0 already, or the head cannot be chunked: a
-    LoRA-adapted or soft-capped HF head, whose loss is always the whole logits)."""
+    """The ``--loss-chunk-tokens`` settings to choose from: the run's own (the default when
+    it is 0: a resumed run's 0 may be an earlier plan's choice) and the whole logits; None
+    (not planned) when the flag was given, or the head cannot be chunked
+    (:func:`head_chunks`)."""
+    default = TrainConfig().loss_chunk_tokens
     if given is None:  # what differs from its default was set on purpose
-        default = TrainConfig().loss_chunk_tokens
         given = frozenset({"loss_chunk_tokens"} if cfg.loss_chunk_tokens != default else ())
-    if "loss_chunk_tokens" in given or not cfg.loss_chunk_tokens:
+    if "loss_chunk_tokens" in given or not head_chunks(model):
         return None
-    config = model.hf_config
-    if config is not None and (
-        getattr(config, "final_logit_softcapping", None)
-        or (cfg.lora and "lm_head" in str(cfg.lora_targets))
-    ):
-        return None
-    return [cfg.loss_chunk_tokens, 0]
+    return [cfg.loss_chunk_tokens or default, 0]

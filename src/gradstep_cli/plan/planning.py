@@ -52,6 +52,7 @@ from gradstep_cli.models.spec import ModelSpec
 from gradstep_cli.plan.budget import MARGIN, analytic_fixed_bytes, device_budget
 from gradstep_cli.plan.estimate import (
     estimate_kwargs,
+    head_chunks,
     loss_chunks,
     model_shape,
     quiet,
@@ -136,6 +137,9 @@ class _Inputs:
     """The analytic model's other arguments (:func:`estimate_kwargs`)."""
     speed: Callable[..., float]
     """Each candidate's step time (:func:`step_time_model` of the data's rows)."""
+    chunk: int
+    """The run's own loss, as it will run: ``--loss-chunk-tokens``, 0 (the whole logits)
+    where the head cannot be chunked (:func:`head_chunks`)."""
 
 
 def _probe(model: ModelSpec, run: _Inputs, checkpointing: bool) -> tuple[ProbeResult, int]:
@@ -176,9 +180,8 @@ def _probe_sizes(run: _Inputs) -> list[int]:
     new size's kernels add), but no size above the fastest micro-batch the speed model
     knows of (when it is 1 or 2: two sizes still make a measured line). Unpacked
     variable-length rows usually make micro-batch 1 the fastest (no padding)."""
-    chunk = run.cfg.loss_chunk_tokens
     sizes = [s for s in (1, 2, 4, 8, 16) if s <= run.per_rank]
-    fastest = max(sizes, key=lambda m: (m / run.speed(m, False, chunk), m))
+    fastest = max(sizes, key=lambda m: (m / run.speed(m, False, run.chunk), m))
     return [s for s in (1, 2, 4) if s <= min(run.per_rank, max(2, fastest))]
 
 
@@ -305,6 +308,7 @@ def _plan(
         shape=shape,
         estimate=kwargs,
         speed=step_time_model(shape, data.width, lengths, counts, device.type, data.trained),
+        chunk=cfg.loss_chunk_tokens if head_chunks(model) else 0,
     )
     result, probe_ckpt, build_peak = None, False, 0
     if probe:
@@ -345,7 +349,7 @@ def _choose(
             run.cfg.global_batch,
             world_size=data_ranks,
             predict=predict if chunks else (lambda m, c: predict(m, c)),
-            step_time=speed if chunks else (lambda m, c: speed(m, c, run.cfg.loss_chunk_tokens)),
+            step_time=speed if chunks else (lambda m, c: speed(m, c, run.chunk)),
             margin=MARGIN,
             loss_chunks=chunks,
             budget_for=lambda c: needed(c, result, room(run.device, run.data.packed)),

@@ -74,3 +74,48 @@ def test_packed_rows_are_estimated_with_their_mask():
         assert kwargs["packed"] is packing
         totals[packing] = estimate_step_memory(shape_of(cfg), 4, **kwargs).total
     assert totals[True] > totals[False]
+
+
+def _hf_spec(lora_targets: str = "", **overrides):
+    from gradstep_cli.config.settings import TrainConfig
+    from gradstep_cli.models.spec import ModelSpec
+    from tests.support.hf_assets import config_for
+
+    lora = dict(lora=4, lora_targets=lora_targets) if lora_targets else {}
+    cfg = TrainConfig(model="hf:/nowhere", seq_len=32, **lora)
+    return cfg, ModelSpec.of(cfg, config_for("llama", **overrides))
+
+
+def test_the_loss_is_planned_only_where_its_head_can_be_chunked():
+    """Chunked or whole is planned unless a softcap or scale follows the projection or LoRA
+    adapts it (the loss then always reads the whole logits: ``gradstep.hf.chunkable``)."""
+    from gradstep_cli.plan.estimate import head_chunks, loss_chunks
+
+    cfg, plain = _hf_spec()
+    assert head_chunks(plain) and loss_chunks(cfg, plain, frozenset()) == [1024, 0]
+    for what in ({"final_logit_softcapping": 30.0}, {"logit_scale": 0.5}):
+        cfg, spec = _hf_spec(**what)
+        assert not head_chunks(spec) and loss_chunks(cfg, spec, frozenset()) is None, what
+    cfg, adapted = _hf_spec("q_proj,lm_head")
+    assert not head_chunks(adapted) and loss_chunks(cfg, adapted, frozenset()) is None
+    cfg, body = _hf_spec("q_proj,v_proj")
+    assert head_chunks(body)
+
+
+def test_a_given_loss_is_kept_and_a_resumed_plans_whole_logits_are_planned_again():
+    """``--loss-chunk-tokens`` given (even the default) is kept as given; a resumed auto
+    run's 0, not given again, may be an earlier plan's choice: both are weighed again,
+    the default first."""
+    import dataclasses
+
+    from gradstep_cli.plan.estimate import loss_chunks
+
+    cfg, spec = _hf_spec()
+    given = frozenset({"loss_chunk_tokens"})
+    assert loss_chunks(cfg, spec, given) is None  # 1024 on purpose
+    resumed = dataclasses.replace(cfg, loss_chunk_tokens=0)
+    assert loss_chunks(resumed, spec, frozenset()) == [1024, 0]
+    assert loss_chunks(resumed, spec, given) is None
+    assert loss_chunks(resumed, spec, None) is None  # a library caller's 0: on purpose
+    other = dataclasses.replace(cfg, loss_chunk_tokens=256)
+    assert loss_chunks(other, spec, frozenset()) == [256, 0]

@@ -168,11 +168,12 @@ def test_the_same_flags_give_the_same_plan_and_the_tie_rule_decides_near_ties(ca
     rule = min(near, key=lambda c: (c[key[1]], c[key[2]] != 1024, -c[key[0]]))
     assert tuple(plan[k] for k in key) == tuple(rule[k] for k in key)
     assert {c["loss_chunk_tokens"] for c in plan["candidates"]} == {1024, 0}
-    given = [*argv, "--memory-budget", "8GiB", "--json", "--loss-chunk-tokens", "512"]
-    assert main(given) == 0  # given on the command line: kept, not planned
-    assert {c["loss_chunk_tokens"] for c in json.loads(capsys.readouterr().out)["candidates"]} == {
-        None
-    }
+    for chunk in ("512", "1024"):  # given on the command line, the default too: kept
+        given = [*argv, "--memory-budget", "8GiB", "--json", "--loss-chunk-tokens", chunk]
+        assert main(given) == 0
+        kept = json.loads(capsys.readouterr().out)
+        assert {c["loss_chunk_tokens"] for c in kept["candidates"]} == {None}
+        assert kept["loss_chunk_tokens"] == int(chunk)
 
 
 @pytest.mark.slow
@@ -295,7 +296,7 @@ def test_the_probe_measures_two_sizes_even_when_one_row_is_fastest():
     from gradstep_cli.plan.planning import _probe_sizes
 
     def run(per_rank, cost):
-        return SimpleNamespace(cfg=SimpleNamespace(loss_chunk_tokens=1024), per_rank=per_rank,
+        return SimpleNamespace(chunk=1024, per_rank=per_rank,
                                speed=lambda m, ckpt, chunk: cost(m))  # fmt: skip
 
     assert _probe_sizes(run(16, lambda m: m * m)) == [1, 2]  # padding: 1 is fastest
