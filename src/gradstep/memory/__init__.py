@@ -16,6 +16,7 @@ Constants calibrated on CPU with torch 2.13 and the demo GPT say so where they a
 from __future__ import annotations
 
 from .checkpointing import checkpoint_blocks
+from .hf_activations import chunks_loss
 from .hf_config import from_hf_config, lora_targets
 from .hf_shape import HFShape
 from .model import MemoryEstimate, Shape, TransformerShape, estimate_step_memory
@@ -68,6 +69,7 @@ __all__ = [
     "default_step_time",
     "estimate_step_memory",
     "format_bytes",
+    "chunks_loss",
     "from_hf_config",
     "lora_targets",
     "needed_budget",

@@ -32,7 +32,7 @@ from .hf_shape import Linear
 if TYPE_CHECKING:
     from .hf_shape import HFShape
 
-__all__ = ["hf_activations", "hf_per_token_terms"]
+__all__ = ["chunks_loss", "hf_activations", "hf_per_token_terms"]
 
 _FP32 = 4
 _INT64 = 8

@@ -16,10 +16,10 @@ from gradstep.memory import (
     OptimizerMemory,
     Shape,
     TransformerShape,
+    chunks_loss,
     from_hf_config,
     lora_targets,
 )
-from gradstep.memory.hf_activations import chunks_loss
 from gradstep_cli.config.settings import TrainConfig
 from gradstep_cli.models.gpt import GPTConfig
 from gradstep_cli.models.parallel_plan import layout_of
